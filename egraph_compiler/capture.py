@@ -1,0 +1,343 @@
+"""Capture: a torch program -> functional ATen graph -> Graph IR.
+
+torch.export (non-strict) gives a functional ATen graph with shapes and
+dtypes; `run_decompositions({})` functionalises it while keeping composites
+(softmax, layer_norm, gelu, silu, linear, sdpa) whole, because decomposing
+them is the rules' job.  Each ATen op is translated onto the op table by the
+CONVERTERS table below; anything it lacks becomes an `extern` node run by
+ATen.  This is the only module that imports torch.export / torch.fx.
+"""
+from __future__ import annotations
+
+import inspect
+import operator
+import os
+import warnings
+
+import torch
+import torch.fx
+
+from . import ops
+from .errors import CaptureError
+from .graph import ExternCall, Graph, Node, const, input_node
+
+aten = torch.ops.aten
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+class _Wrap(torch.nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args):
+        return self.fn(*args)
+
+
+def export_aten(fn, example_inputs) -> torch.export.ExportedProgram:
+    module = fn if isinstance(fn, torch.nn.Module) else _Wrap(fn)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:  # strict (Dynamo) capture records the user's source lines
+            program = torch.export.export(module, tuple(example_inputs), strict=True)
+        except Exception:
+            try:
+                program = torch.export.export(module, tuple(example_inputs), strict=False)
+            except Exception as exc:  # torch's own message names the failing construct
+                raise CaptureError(f"torch.export could not capture the program: {exc}") from exc
+        return program.run_decompositions({})
+
+
+def capture(fn, example_inputs) -> tuple[Graph, str]:
+    """Returns the Graph IR and the ATen graph's text."""
+    program = export_aten(fn, example_inputs)
+    gm = program.graph_module
+    kinds = {spec.arg.name: spec for spec in program.graph_signature.input_specs}
+    env: dict[str, object] = {}
+    inputs, bound, where = [], {}, {}
+    user_names = _parameter_names(fn, len(example_inputs))
+    user_index = 0
+    for fx_node in gm.graph.nodes:
+        if fx_node.op == "placeholder":
+            val = fx_node.meta["val"]
+            spec = kinds[fx_node.name]
+            name = user_names[user_index] if spec.kind.name == "USER_INPUT" else spec.target.replace(".", "_")
+            node = input_node(name, tuple(val.shape), str(val.dtype).removeprefix("torch."))
+            if spec.kind.name == "USER_INPUT":
+                user_index += 1
+            else:
+                source = program.state_dict if spec.target in program.state_dict else program.constants
+                bound[name] = source[spec.target]
+            inputs.append(node)
+            env[fx_node.name] = node
+        elif fx_node.op == "call_function":
+            env[fx_node.name] = _convert(fx_node, env, where)
+        elif fx_node.op == "output":
+            outs = tuple(env[a.name] for a in fx_node.args[0])
+    for out in outs:
+        if not isinstance(out, Node):
+            raise CaptureError("the program must return tensors")
+    return Graph(inputs, outs, bound, where), gm.code.strip()
+
+
+def _parameter_names(fn, count: int) -> list[str]:
+    try:
+        target = fn.forward if isinstance(fn, torch.nn.Module) else fn
+        params = [p for p in inspect.signature(target).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        names = [p.name for p in params][:count]
+    except (TypeError, ValueError):
+        names = []
+    names += [f"arg{i}" for i in range(len(names), count)]
+    return names if len(set(names)) == count else [f"arg{i}" for i in range(count)]
+
+
+def user_line(fx_node) -> str:
+    trace = fx_node.meta.get("stack_trace") or ""
+    lines = [ln.strip() for ln in trace.strip().splitlines()]
+    for i in range(len(lines) - 1, -1, -1):
+        if lines[i].startswith("File ") and "site-packages" not in lines[i] and _PACKAGE_DIR not in lines[i]:
+            code = lines[i + 1] if i + 1 < len(lines) else ""
+            return f"{lines[i]}: {code}"
+    return f"<no source line> ({fx_node.name})"
+
+
+def _convert(fx_node, env, where) -> object:
+    if fx_node.target is operator.getitem:
+        seq, index = fx_node.args
+        return env[seq.name][index]
+    args = [_arg(a, env) for a in fx_node.args]
+    kwargs = {k: _arg(v, env) for k, v in fx_node.kwargs.items()}
+    converter = CONVERTERS.get(fx_node.target)
+    result = None
+    if converter is not None:
+        try:
+            result = converter(*args, **kwargs)
+        except (ops.ShapeError, TypeError, ValueError, KeyError):
+            result = None  # a form of the op we do not model: run it through ATen
+    if result is None:
+        result = _extern(fx_node, env)
+    for node in result if isinstance(result, (list, tuple)) else [result]:
+        where.setdefault(id(node), user_line(fx_node))
+    return result
+
+
+def _arg(a, env):
+    if isinstance(a, torch.fx.Node):
+        return env[a.name]
+    if isinstance(a, (list, tuple)):
+        return [_arg(x, env) for x in a]
+    return a
+
+
+def _extern(fx_node, env) -> object:
+    tensors, template = [], []
+
+    def freeze(a):
+        if isinstance(a, torch.fx.Node):
+            tensors.append(env[a.name])
+            return None
+        if isinstance(a, (list, tuple)):
+            return ("__list__",) + tuple(freeze(x) for x in a)
+        return a
+
+    template = tuple(freeze(a) for a in fx_node.args)
+    kwargs = tuple((k, v) for k, v in fx_node.kwargs.items())
+    if any(isinstance(v, torch.fx.Node) for _, v in kwargs):
+        raise CaptureError(f"{fx_node.target}: tensor keyword arguments are not supported "
+                           f"({user_line(fx_node)})")
+    val = fx_node.meta["val"]
+    vals = list(val) if isinstance(val, (list, tuple)) else [val]
+    results = []
+    for i, v in enumerate(vals):
+        call = ExternCall(fx_node.target, template, kwargs, tuple(v.shape),
+                          str(v.dtype).removeprefix("torch."),
+                          i if isinstance(val, (list, tuple)) else None, user_line(fx_node))
+        object.__setattr__(call, "key", f"{fx_node.target}#{id(call):x}")
+        results.append(Node.make("extern", tuple(tensors), {"target": call}, shape=call.shape, dtype=call.dtype))
+    return results if isinstance(val, (list, tuple)) else results[0]
+
+
+# ---- converters: ATen op -> Graph IR (return None to fall back to ATen) ----
+
+def _t(x):
+    return x if isinstance(x, Node) else const(x)
+
+
+def _neg_dims(dims, rank):
+    if dims is None or dims == []:
+        dims = list(range(rank))
+    if isinstance(dims, int):
+        dims = [dims]
+    return tuple(sorted(ops.norm_dim(d, rank) - rank for d in dims)) if rank else ()
+
+
+def _reduce(op):
+    def convert(x, dims=None, keepdim=False, dtype=None):
+        if dtype is not None:
+            return None
+        return Node.make(op, (x,), {"dims": _neg_dims(dims, len(x.shape)), "keepdim": bool(keepdim)})
+    return convert
+
+
+def _binary(op):
+    def convert(a, b, alpha=1):
+        b = _t(b)
+        if alpha != 1:
+            b = Node.make("mul", (b, const(alpha)))
+        return Node.make(op, (_t(a), b))
+    return convert
+
+
+def _unary(op):
+    return lambda x: Node.make(op, (x,))
+
+
+def _transpose(x, d0, d1):
+    r = len(x.shape)
+    d0, d1 = sorted((ops.norm_dim(d0, r) - r, ops.norm_dim(d1, r) - r))
+    return x if d0 == d1 else Node.make("transpose", (x,), {"dim0": d0, "dim1": d1})
+
+
+def _reshape(x, shape):
+    shape = list(shape)
+    if -1 in shape:
+        known = 1
+        for s in shape:
+            known *= s if s != -1 else 1
+        shape[shape.index(-1)] = x.numel // known if known else 0
+    return x if tuple(shape) == x.shape else Node.make("reshape", (x,), {"shape": tuple(shape)})
+
+
+def _slice(x, dim=0, start=None, end=None, step=1):
+    r = len(x.shape)
+    d = ops.norm_dim(dim, r)
+    start, end, _ = slice(start, end, step).indices(x.shape[d])
+    if (start, end, step) == (0, x.shape[d], 1):
+        return x
+    return Node.make("slice", (x,), {"dim": d - r, "start": start, "end": end, "step": step})
+
+
+def _split(x, size, dim=0):
+    d = ops.norm_dim(dim, len(x.shape))
+    sizes = size if isinstance(size, list) else [size] * -(-x.shape[d] // size)
+    out, start = [], 0
+    for s in sizes:
+        out.append(_slice(x, dim, start, min(start + s, x.shape[d])))
+        start += s
+    return out
+
+
+def _squeeze(x, dims=None):
+    dims = range(len(x.shape)) if dims is None else ([dims] if isinstance(dims, int) else dims)
+    drop = {ops.norm_dim(d, len(x.shape)) for d in dims if x.shape[d] == 1}
+    return _reshape(x, [s for i, s in enumerate(x.shape) if i not in drop])
+
+
+def _unsqueeze(x, dim):
+    d = ops.norm_dim(dim, len(x.shape) + 1)
+    return _reshape(x, list(x.shape[:d]) + [1] + list(x.shape[d:]))
+
+
+def _select(x, dim, index):
+    d = ops.norm_dim(dim, len(x.shape))
+    index = index % x.shape[d]
+    return _reshape(_slice(x, d, index, index + 1), x.shape[:d] + x.shape[d + 1:])
+
+
+def _expand(x, shape):
+    shape = [x.shape[i - (len(shape) - len(x.shape))] if s == -1 else s for i, s in enumerate(shape)]
+    return x if tuple(shape) == x.shape else Node.make("expand", (x,), {"shape": tuple(shape)})
+
+
+def _cast(x, dtype=None, **kw):
+    if dtype is None or set(kw) - {"layout", "device", "pin_memory", "non_blocking", "memory_format"}:
+        return None
+    name = str(dtype).removeprefix("torch.")
+    return x if name == x.dtype else Node.make("cast", (x,), {"dtype": name})
+
+
+def _layer_norm(x, shape, w=None, b=None, eps=1e-5, cudnn=False):
+    return Node.make("layer_norm", (x, w if w is not None else const(1.0), b if b is not None else const(0.0)),
+                     {"ndim": len(shape), "eps": float(eps)})
+
+
+def _rms_norm(x, shape, w=None, eps=None):
+    eps = torch.finfo(getattr(torch, x.dtype)).eps if eps is None else eps
+    return Node.make("rms_norm", (x, w if w is not None else const(1.0)), {"ndim": len(shape), "eps": float(eps)})
+
+
+def _softmax(op):
+    def convert(x, dim, half_to_float=False, dtype=None):
+        if half_to_float or dtype is not None:
+            return None
+        return Node.make(op, (x,), {"dim": ops.norm_dim(dim, len(x.shape)) - len(x.shape)})
+    return convert
+
+
+def _sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    if dropout_p != 0.0 or enable_gqa:
+        return None
+    scale = float(scale) if scale is not None else q.shape[-1] ** -0.5
+    if attn_mask is not None:
+        return Node.make("sdpa_mask", (q, k, v, _t(attn_mask)), {"scale": scale, "causal": bool(is_causal)})
+    return Node.make("sdpa", (q, k, v), {"scale": scale, "causal": bool(is_causal)})
+
+
+def _where(c, a, b):
+    return Node.make("where", (c, _t(a), _t(b)))
+
+
+def _gelu(x, approximate="none"):
+    return Node.make("gelu" if approximate == "none" else "gelu_tanh", (x,))
+
+
+def _div(a, b, rounding_mode=None):
+    return None if rounding_mode is not None else Node.make("div", (_t(a), _t(b)))
+
+
+def _addmm(bias, a, b, beta=1, alpha=1):
+    if beta != 1 or alpha != 1:
+        return None
+    return Node.make("add", (Node.make("matmul", (a, b)), bias))
+
+
+def _identity(x, *args, **kwargs):
+    return x if not kwargs.get("dtype") else None
+
+
+CONVERTERS = {
+    aten.gelu.default: _gelu,
+    aten.div.Tensor: _binary("div"), aten.div.Scalar: _binary("div"), aten.div.Tensor_mode: _div,
+    aten.pow.Tensor_Scalar: _binary("pow"), aten.pow.Tensor_Tensor: _binary("pow"),
+    aten.pow.Scalar: lambda a, b: Node.make("pow", (const(a), b)),
+    aten.sum.dim_IntList: _reduce("sum"), aten.sum.default: _reduce("sum"),
+    aten.mean.dim: _reduce("mean"), aten.mean.default: _reduce("mean"), aten.amax.default: _reduce("amax"),
+    aten.where.self: _where, aten.where.ScalarOther: _where, aten.where.ScalarSelf: _where,
+    aten.where.Scalar: _where,
+    aten.transpose.int: _transpose, aten.t.default: lambda x: _transpose(x, 0, 1) if len(x.shape) == 2 else x,
+    aten.permute.default: lambda x, dims: Node.make("permute", (x,), {"dims": tuple(
+        ops.norm_dim(d, len(x.shape)) for d in dims)}),
+    aten.view.default: _reshape, aten._unsafe_view.default: _reshape, aten.reshape.default: _reshape,
+    aten.expand.default: _expand, aten.slice.Tensor: _slice, aten.split.Tensor: _split,
+    aten.split_with_sizes.default: _split, aten.squeeze.dim: _squeeze, aten.squeeze.dims: _squeeze,
+    aten.squeeze.default: _squeeze, aten.unsqueeze.default: _unsqueeze, aten.select.int: _select,
+    aten.clone.default: _identity, aten.alias.default: _identity, aten.detach.default: _identity,
+    aten.contiguous.default: _identity, aten.lift_fresh_copy.default: _identity,
+    aten._to_copy.default: _cast, aten.to.dtype: lambda x, dtype, *a, **k: _cast(x, dtype),
+    aten.softmax.int: _softmax("softmax"), aten._softmax.default: _softmax("softmax"),
+    aten.log_softmax.int: _softmax("log_softmax"), aten._log_softmax.default: _softmax("log_softmax"),
+    aten.layer_norm.default: _layer_norm, aten.rms_norm.default: _rms_norm,
+    aten.matmul.default: lambda a, b: Node.make("matmul", (a, b)),
+    aten.mm.default: lambda a, b: Node.make("matmul", (a, b)),
+    aten.bmm.default: lambda a, b: Node.make("matmul", (a, b)),
+    aten.linear.default: lambda x, w, b=None: Node.make("linear", (x, w, b if b is not None else const(0.0))),
+    aten.addmm.default: _addmm, aten.scaled_dot_product_attention.default: _sdpa,
+    aten.clamp_min.default: lambda x, m: Node.make("maximum", (x, _t(m))),
+}
+for _name in ["exp", "log", "tanh", "erf", "relu", "sigmoid", "neg", "abs", "sqrt", "rsqrt", "silu"]:
+    CONVERTERS[getattr(aten, _name).default] = _unary(_name)
+for _name in ["add", "sub", "mul", "maximum", "gt", "ge", "lt", "le", "eq", "ne"]:
+    for _overload in ("Tensor", "Scalar", "default"):
+        if hasattr(getattr(aten, _name), _overload):
+            CONVERTERS[getattr(getattr(aten, _name), _overload)] = _binary(_name)

@@ -1,0 +1,34 @@
+"""Errors a user can act on: each names what was wrong and where it came from."""
+
+
+class EgraphCompilerError(Exception):
+    """Base class of every error this package raises on purpose."""
+
+
+class CaptureError(EgraphCompilerError):
+    """The program could not be captured as a functional graph."""
+
+
+class InputError(EgraphCompilerError, TypeError):
+    """Arguments that do not match what the program was compiled for."""
+
+
+class UnsupportedOpError(EgraphCompilerError):
+    """An op outside the vocabulary, raised instead of a fallback under strict=True."""
+
+
+class RuleError(EgraphCompilerError):
+    """A rules file that does not parse or does not type-check (file:line:column)."""
+
+    def __init__(self, message, path="<rules>", line=0, column=0, source_line=""):
+        self.path, self.line, self.column = path, line, column
+        caret = f"\n    {source_line}\n    {' ' * max(column - 1, 0)}^" if source_line else ""
+        super().__init__(f"{path}:{line}:{column}: {message}{caret}")
+
+
+class UnsoundRuleError(EgraphCompilerError):
+    """A rule merged two e-classes whose shapes or dtypes differ."""
+
+
+class CodegenError(EgraphCompilerError):
+    """Generated code failed to compile: a bug in the compiler, never the user's."""

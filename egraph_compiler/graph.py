@@ -1,0 +1,206 @@
+"""Graph IR: hash-consed, immutable op nodes with shapes and dtypes.
+
+The level between capture and the e-graph, and the form extraction returns.
+`Node.make` interns every node, so structurally equal nodes are the same
+object (free common-subexpression elimination, and a one-to-one map to e-graph
+terms).  Shapes and dtypes come from the op table when a node is made, so an
+ill-shaped term cannot exist.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from . import ops
+
+WEAK = "weak"  # dtype of a Python scalar: it adopts its partner's dtype
+
+
+@dataclass(frozen=True, eq=False)
+class ExternCall:
+    """An ATen op outside the vocabulary, with its non-tensor arguments frozen."""
+    target: Any  # torch OpOverload
+    template: tuple  # args with tensor positions replaced by None
+    kwargs: tuple
+    shape: tuple
+    dtype: str
+    item: int | None  # index into a tuple result
+    where: str  # the user's source line, for messages
+    key: str = field(default="")
+
+    def __str__(self):
+        return self.key or str(self.target)
+
+    def run(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        it = iter(tensors)
+        args = [_fill(a, it) for a in self.template]
+        out = self.target(*args, **dict(self.kwargs))
+        return out[self.item] if self.item is not None else out
+
+
+def _fill(a, it):
+    if a is None:
+        return next(it)
+    if isinstance(a, tuple) and a and a[0] == "__list__":
+        return [_fill(x, it) for x in a[1:]]
+    return a
+
+
+_INTERN: dict[tuple, "Node"] = {}
+
+
+@dataclass(frozen=True, eq=False)
+class Node:
+    op: str
+    args: tuple["Node", ...]
+    attrs: tuple[tuple[str, Any], ...]
+    shape: tuple[int, ...]
+    dtype: str
+
+    @staticmethod
+    def make(op: str, args=(), attrs: dict | None = None, shape=None, dtype=None) -> "Node":
+        attrs = dict(attrs or {})
+        key = (op, tuple(id(a) for a in args), tuple(sorted((k, _hashable(v)) for k, v in attrs.items())),
+               None if shape is None else tuple(shape), dtype)
+        node = _INTERN.get(key)
+        if node is not None:
+            return node
+        opdef = ops.get(op)
+        if opdef.arity >= 0 and len(args) != opdef.arity:
+            raise ops.ShapeError(f"{op} takes {opdef.arity} operands, got {len(args)}")
+        if shape is None:
+            shape = tuple(opdef.shape([a.shape for a in args], attrs))
+        if dtype is None:
+            dtype = _dtype(opdef, args, attrs)
+        ordered = tuple((name, _hashable(attrs[name])) for name in opdef.attr_names() if name in attrs)
+        node = Node(op, tuple(args), ordered, tuple(shape), dtype)
+        node.__dict__["_key"] = key
+        _INTERN[key] = node
+        return node
+
+    def attr(self, name: str) -> Any:
+        for k, v in self.attrs:
+            if k == name:
+                return v
+        raise KeyError(name)
+
+    @property
+    def a(self) -> dict:
+        return dict(self.attrs)
+
+    @property
+    def group(self) -> str:
+        return ops.group_of(self.op)
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    def __repr__(self):
+        return f"Node({self.op}, {self.shape})"
+
+
+def _hashable(v):
+    return tuple(v) if isinstance(v, list) else v
+
+
+def _dtype(opdef: ops.OpDef, args, attrs) -> str:
+    if opdef.dtype == "bool":
+        return "bool"
+    if opdef.dtype == "attr":
+        return attrs.get("dtype", WEAK)
+    if opdef.dtype == "first":
+        return args[0].dtype
+    operands = args[1:] if opdef.name == "where" else args
+    strong = [a.dtype for a in operands if a.dtype != WEAK]
+    if not strong:
+        return WEAK
+    out = getattr(torch, strong[0])
+    for d in strong[1:]:
+        out = torch.promote_types(out, getattr(torch, d))
+    if out == torch.bool and opdef.name in ("add", "sub", "mul", "div", "pow"):
+        out = torch.float32
+    if opdef.name == "div" and not out.is_floating_point:
+        out = torch.float32
+    return str(out).removeprefix("torch.")
+
+
+def const(value: float) -> Node:
+    return Node.make("const", (), {"value": float(value)}, shape=(), dtype=WEAK)
+
+
+def input_node(name: str, shape, dtype: str) -> Node:
+    return Node.make("input", (), {"name": name}, shape=tuple(shape), dtype=dtype)
+
+
+@dataclass
+class Graph:
+    inputs: list[Node]  # input nodes, in call order
+    outputs: tuple[Node, ...]
+    bound: dict[str, torch.Tensor] = field(default_factory=dict)  # parameters: input name -> live tensor
+    where: dict[int, str] = field(default_factory=dict)  # id(node) -> user source line
+
+    def topo(self) -> list[Node]:
+        return topo_order(self.outputs)
+
+    def __str__(self) -> str:
+        return format_nodes(self.inputs, self.outputs)
+
+
+def topo_order(roots) -> list[Node]:
+    seen: set[int] = set()
+    order: list[Node] = []
+    stack = [(r, False) for r in reversed(roots)]
+    while stack:
+        node, done = stack.pop()
+        if done:
+            order.append(node)
+            continue
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        stack.append((node, True))
+        stack.extend((a, False) for a in reversed(node.args) if id(a) not in seen)
+    return order
+
+
+def type_str(node: Node) -> str:
+    short = {"float32": "f32", "float64": "f64", "float16": "f16", "bfloat16": "bf16",
+             "int64": "i64", "int32": "i32", "bool": "b8", WEAK: "scalar"}
+    return f"{short.get(node.dtype, node.dtype)}[{','.join(map(str, node.shape))}]"
+
+
+def format_attr(v) -> str:
+    if isinstance(v, tuple):
+        return "[" + ",".join(map(str, v)) + "]"
+    if isinstance(v, float):
+        return repr(v)
+    return str(v)
+
+
+def format_nodes(inputs, outputs, names: Callable | None = None) -> str:
+    """Stable text form: one SSA line per node, inputs by name, constants inline."""
+    ids: dict[int, str] = {}
+    for n in inputs:
+        ids[id(n)] = n.attr("name")
+    lines = ["graph(" + ", ".join(f"{n.attr('name')}: {type_str(n)}" for n in inputs) + "):"]
+    count = 0
+    for node in topo_order(outputs):
+        if node.op == "input":
+            ids.setdefault(id(node), node.attr("name"))
+            continue
+        if node.op == "const":
+            ids[id(node)] = format_attr(node.attr("value"))
+            continue
+        ids[id(node)] = f"%{count}"
+        count += 1
+        operands = [ids[id(a)] for a in node.args]
+        operands += [f"{k}={format_attr(v)}" for k, v in node.attrs]
+        lines.append(f"  {ids[id(node)]} = {node.op}({', '.join(operands)}) : {type_str(node)}")
+    lines.append("  return " + ", ".join(ids[id(o)] for o in outputs))
+    return "\n".join(lines)

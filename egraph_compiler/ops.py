@@ -1,0 +1,234 @@
+"""The op vocabulary: one table that every stage keys off.
+
+Capture maps ATen ops onto these names, the rules DSL checks arity and
+attributes against it, the e-graph encoding declares one constructor per entry,
+the cost model reads its FLOP counts and groups, lowering reads its group, and
+the renderers hold one scalar formula per pointwise name.  Adding an op touches
+this file (plus a scalar formula in each renderer for pointwise ops).
+
+Groups:
+  source    graph leaves (inputs, scalar constants)
+  pointwise elementwise with broadcasting
+  reduction reduce over `dims`, optionally `keepdim`
+  layout    index remapping only (a view: no arithmetic)
+  row       composites computed as one row kernel (softmax, layer_norm, ...)
+  library   run by a tuned library call (matmul, sdpa, linear)
+  extern    anything else, run by ATen and listed as a fallback
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+Shape = tuple[int, ...]
+
+ATTR_KINDS = ("int", "ints", "float", "bool", "str")
+
+
+class ShapeError(ValueError):
+    """Operand shapes or attributes an op cannot accept."""
+
+
+@dataclass(frozen=True)
+class OpDef:
+    name: str
+    group: str
+    arity: int  # tensor operands; -1 for variadic (extern only)
+    attrs: tuple[tuple[str, str], ...]  # (name, kind) in positional order
+    shape: Callable[[list[Shape], dict], Shape]
+    flops: float  # per output element (pointwise) or per input element (reduction)
+    reference: Callable  # eager torch semantics: (tensors, attrs) -> tensor
+    dtype: str = "promote"  # promote | bool | first | attr
+
+    def attr_names(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self.attrs)
+
+
+def broadcast(*shapes: Shape) -> Shape:
+    rank = max((len(s) for s in shapes), default=0)
+    out = []
+    for i in range(rank):
+        sizes = {s[len(s) - rank + i] for s in shapes if len(s) - rank + i >= 0} - {1}
+        if len(sizes) > 1:
+            raise ShapeError(f"shapes {list(map(list, shapes))} do not broadcast")
+        out.append(sizes.pop() if sizes else 1)
+    return tuple(out)
+
+
+def norm_dim(d: int, rank: int) -> int:
+    if not -rank <= d < max(rank, 1):
+        raise ShapeError(f"dim {d} out of range for rank {rank}")
+    return d % rank if rank else 0
+
+
+def reduce_shape(shapes, a):
+    (s,) = shapes
+    dims = {norm_dim(d, len(s)) for d in a["dims"]}
+    if a["keepdim"]:
+        return tuple(1 if i in dims else n for i, n in enumerate(s))
+    return tuple(n for i, n in enumerate(s) if i not in dims)
+
+
+def matmul_shape(shapes, a):
+    x, y = shapes
+    if len(x) < 1 or len(y) < 1:
+        raise ShapeError("matmul needs operands of rank >= 1")
+    x2 = x if len(x) > 1 else (1,) + x
+    y2 = y if len(y) > 1 else y + (1,)
+    if x2[-1] != y2[-2]:
+        raise ShapeError(f"matmul: inner sizes differ ({list(x)} @ {list(y)})")
+    out = broadcast(x2[:-2], y2[:-2]) + (x2[-2], y2[-1])
+    if len(x) == 1:
+        out = out[:-2] + out[-1:]
+    if len(y) == 1:
+        out = out[:-1]
+    return out
+
+
+def transpose_shape(shapes, a):
+    (s,) = shapes
+    d0, d1 = norm_dim(a["dim0"], len(s)), norm_dim(a["dim1"], len(s))
+    out = list(s)
+    out[d0], out[d1] = out[d1], out[d0]
+    return tuple(out)
+
+
+def permute_shape(shapes, a):
+    (s,) = shapes
+    if sorted(norm_dim(d, len(s)) for d in a["dims"]) != list(range(len(s))):
+        raise ShapeError(f"permute dims {list(a['dims'])} are not a permutation of rank {len(s)}")
+    return tuple(s[d] for d in a["dims"])
+
+
+def reshape_shape(shapes, a):
+    (s,) = shapes
+    if math.prod(s) != math.prod(a["shape"]):
+        raise ShapeError(f"cannot reshape {list(s)} to {list(a['shape'])}")
+    return tuple(a["shape"])
+
+
+def expand_shape(shapes, a):
+    (s,) = shapes
+    out = tuple(a["shape"])
+    if broadcast(s, out) != out:
+        raise ShapeError(f"cannot expand {list(s)} to {list(out)}")
+    return out
+
+
+def slice_shape(shapes, a):
+    (s,) = shapes
+    d = norm_dim(a["dim"], len(s))
+    n = len(range(a["start"], min(a["end"], s[d]), a["step"]))
+    return s[:d] + (n,) + s[d + 1:]
+
+
+def same_shape(shapes, a):
+    return broadcast(*shapes)
+
+
+def first_shape(shapes, a):
+    return shapes[0]
+
+
+def sdpa_shape(shapes, a):
+    q, k, v = shapes[:3]
+    if q[-1] != k[-1] or k[-2] != v[-2]:
+        raise ShapeError(f"sdpa: q {list(q)}, k {list(k)}, v {list(v)} do not agree")
+    return broadcast(q[:-2], k[:-2], v[:-2]) + (q[-2], v[-1])
+
+
+def linear_shape(shapes, a):
+    x, w, b = shapes
+    return matmul_shape([x, w[::-1]], a)
+
+
+def leaf_shape(shapes, a):
+    return tuple(a.get("shape", ()))
+
+
+def _scalar_reference(tensors, a):
+    return torch.tensor(a["value"], dtype=torch.float64)
+
+
+def _sdpa(t, a):
+    mask = t[3] if len(t) > 3 else None
+    return F.scaled_dot_product_attention(t[0], t[1], t[2], attn_mask=mask,
+                                          is_causal=a["causal"], scale=a["scale"])
+
+
+OPS: dict[str, OpDef] = {}
+
+
+def _op(name, group, arity, attrs, shape, flops, reference, dtype="promote"):
+    OPS[name] = OpDef(name, group, arity, tuple(attrs), shape, flops, reference, dtype)
+
+
+_DIMS = [("dims", "ints"), ("keepdim", "bool")]
+
+# sources
+_op("input", "source", 0, [("name", "str")], leaf_shape, 0, None, "attr")
+_op("const", "source", 0, [("value", "float")], leaf_shape, 0, _scalar_reference, "attr")
+# pointwise: unary
+for _name, _flops, _fn in [
+    ("exp", 4, torch.exp), ("log", 4, torch.log), ("tanh", 6, torch.tanh), ("erf", 8, torch.erf),
+    ("relu", 1, torch.relu), ("sigmoid", 5, torch.sigmoid), ("neg", 1, torch.neg),
+    ("abs", 1, torch.abs), ("sqrt", 2, torch.sqrt), ("rsqrt", 2, torch.rsqrt),
+    ("silu", 6, F.silu), ("gelu", 10, F.gelu), ("gelu_tanh", 12, lambda x: F.gelu(x, approximate="tanh")),
+]:
+    _op(_name, "pointwise", 1, [], same_shape, _flops, lambda t, a, fn=_fn: fn(t[0]))
+_op("cast", "pointwise", 1, [("dtype", "str")], same_shape, 1,
+    lambda t, a: t[0].to(getattr(torch, a["dtype"])), "attr")
+# pointwise: binary and ternary
+for _name, _fn in [("add", torch.add), ("sub", torch.sub), ("mul", torch.mul), ("div", torch.div),
+                   ("maximum", torch.maximum), ("pow", torch.pow)]:
+    _op(_name, "pointwise", 2, [], same_shape, 1 if _name != "pow" else 4, lambda t, a, fn=_fn: fn(t[0], t[1]))
+for _name, _fn in [("gt", torch.gt), ("ge", torch.ge), ("lt", torch.lt), ("le", torch.le),
+                   ("eq", torch.eq), ("ne", torch.ne)]:
+    _op(_name, "pointwise", 2, [], same_shape, 1, lambda t, a, fn=_fn: fn(t[0], t[1]), "bool")
+_op("where", "pointwise", 3, [], same_shape, 1, lambda t, a: torch.where(t[0].bool(), t[1], t[2]))
+# reductions (dims are stored negative, so rules are rank-agnostic)
+_op("sum", "reduction", 1, _DIMS, reduce_shape, 1, lambda t, a: torch.sum(t[0], a["dims"], a["keepdim"]))
+_op("mean", "reduction", 1, _DIMS, reduce_shape, 1, lambda t, a: torch.mean(t[0], a["dims"], a["keepdim"]))
+_op("amax", "reduction", 1, _DIMS, reduce_shape, 1, lambda t, a: torch.amax(t[0], a["dims"], a["keepdim"]))
+# layout: views, lowered to index maps
+_op("transpose", "layout", 1, [("dim0", "int"), ("dim1", "int")], transpose_shape, 0,
+    lambda t, a: t[0].transpose(a["dim0"], a["dim1"]), "first")
+_op("permute", "layout", 1, [("dims", "ints")], permute_shape, 0,
+    lambda t, a: t[0].permute(a["dims"]), "first")
+_op("reshape", "layout", 1, [("shape", "ints")], reshape_shape, 0,
+    lambda t, a: t[0].reshape(a["shape"]), "first")
+_op("expand", "layout", 1, [("shape", "ints")], expand_shape, 0,
+    lambda t, a: t[0].expand(a["shape"]), "first")
+_op("slice", "layout", 1, [("dim", "int"), ("start", "int"), ("end", "int"), ("step", "int")], slice_shape, 0,
+    lambda t, a: t[0][(slice(None),) * (a["dim"] % t[0].dim()) + (slice(a["start"], a["end"], a["step"]),)],
+    "first")
+# row composites: a reduction plus its re-broadcast epilogue, one kernel each
+_op("softmax", "row", 1, [("dim", "int")], first_shape, 7, lambda t, a: torch.softmax(t[0], a["dim"]))
+_op("log_softmax", "row", 1, [("dim", "int")], first_shape, 7, lambda t, a: torch.log_softmax(t[0], a["dim"]))
+_op("layer_norm", "row", 3, [("ndim", "int"), ("eps", "float")], first_shape, 9,
+    lambda t, a: F.layer_norm(t[0], t[0].shape[-a["ndim"]:], t[1].expand(t[0].shape[-a["ndim"]:]),
+                              t[2].expand(t[0].shape[-a["ndim"]:]), a["eps"]))
+_op("rms_norm", "row", 2, [("ndim", "int"), ("eps", "float")], first_shape, 5,
+    lambda t, a: F.rms_norm(t[0], t[0].shape[-a["ndim"]:], t[1].expand(t[0].shape[-a["ndim"]:]), a["eps"]))
+# library calls
+_op("matmul", "library", 2, [], matmul_shape, 2, lambda t, a: torch.matmul(t[0], t[1]))
+_op("linear", "library", 3, [], linear_shape, 2, lambda t, a: F.linear(t[0], t[1], t[2]))
+_op("sdpa", "library", 3, [("scale", "float"), ("causal", "bool")], sdpa_shape, 4, _sdpa)
+_op("sdpa_mask", "library", 4, [("scale", "float"), ("causal", "bool")], sdpa_shape, 4, _sdpa)
+# anything else: run by ATen, named in the plan's fallbacks
+_op("extern", "extern", -1, [("target", "str")], leaf_shape, 0, None, "attr")
+
+
+def get(name: str) -> OpDef:
+    try:
+        return OPS[name]
+    except KeyError:
+        raise KeyError(f"unknown op {name!r}") from None
+
+
+def group_of(name: str) -> str:
+    return get(name).group
