@@ -73,7 +73,7 @@ class Node:
         if shape is None:
             shape = tuple(opdef.shape([a.shape for a in args], attrs))
         if dtype is None:
-            dtype = _dtype(opdef, args, attrs)
+            dtype = result_dtype(opdef, args, attrs)
         ordered = tuple((name, _hashable(attrs[name])) for name in opdef.attr_names() if name in attrs)
         node = Node(op, tuple(args), ordered, tuple(shape), dtype)
         node.__dict__["_key"] = key
@@ -109,7 +109,7 @@ def _hashable(v):
     return tuple(v) if isinstance(v, list) else v
 
 
-def _dtype(opdef: ops.OpDef, args, attrs) -> str:
+def result_dtype(opdef: ops.OpDef, args, attrs) -> str:
     if opdef.dtype == "bool":
         return "bool"
     if opdef.dtype == "attr":

@@ -1,0 +1,278 @@
+"""The rules DSL: text -> checked Rule objects (no egglog here).
+
+Parsing is lark's (grammar in rules.lark); this module turns the parse tree
+into Rule objects and checks them against the op table: known ops, arity,
+attribute kinds, variables bound on the left, conditions on known variables,
+unique names.  Every error names file:line:column and shows a caret line.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+import lark
+
+from .. import ops
+from ..errors import RuleError
+
+
+@dataclass(frozen=True)
+class Var:
+    name: str
+    sort: str  # "tensor" or an attribute kind
+
+
+@dataclass(frozen=True)
+class Lit:
+    value: object
+    sort: str  # "tensor" (a scalar constant) or an attribute kind
+
+
+@dataclass(frozen=True)
+class Pat:
+    op: str
+    args: tuple  # tensor operands, then attributes in op-table order
+
+
+@dataclass(frozen=True)
+class Condition:
+    """`left op right`; a tensor variable against a number is a domain assumption."""
+    left: object
+    op: str
+    right: tuple  # one term, or several for `in`
+
+    @property
+    def is_assumption(self) -> bool:
+        return isinstance(self.left, Var) and self.left.sort == "tensor"
+
+
+@dataclass
+class Rule:
+    name: str
+    group: str
+    lhs: Pat
+    rhs: object
+    both_ways: bool
+    unsafe: bool
+    conditions: list[Condition] = field(default_factory=list)
+    path: str = "<rules>"
+    line: int = 0
+
+    @property
+    def location(self) -> str:
+        return f"{self.path}:{self.line}"
+
+    def variables(self) -> dict[str, str]:
+        return collect_vars(self.lhs)
+
+
+def collect_vars(term, out=None) -> dict[str, str]:
+    out = {} if out is None else out
+    if isinstance(term, Var):
+        out[term.name] = term.sort
+    elif isinstance(term, Pat):
+        for a in term.args:
+            collect_vars(a, out)
+    elif isinstance(term, tuple):
+        for a in term:
+            collect_vars(a, out)
+    return out
+
+
+@lru_cache(maxsize=1)
+def _parser() -> lark.Lark:
+    grammar = (Path(__file__).parent / "rules.lark").read_text()
+    return lark.Lark(grammar, parser="lalr", propagate_positions=True, maybe_placeholders=False)
+
+
+_TOKEN_NAMES = {"_NL": "end of line", "NAME": "a name", "NUMBER": "a number", "LPAR": "'('", "RPAR": "')'",
+                "COMMA": "','", "COLON": "':'", "ARROW": "'=>' or '<=>'", "LSQB": "'['", "RSQB": "']'",
+                "EQUAL": "'='", "RULE": "'rule'", "GROUP": "'group'", "UNSAFE": "'unsafe'", "IF": "'if'",
+                "WHERE": "'where'", "COMPARE": "a comparison", "$END": "end of file"}
+
+
+def parse_rules(text: str, path: str = "<rules>", group: str | None = None) -> list[Rule]:
+    """Parse and check one rules file; its default group is the file's stem."""
+    group = group or (Path(path).stem if path != "<rules>" else "user")
+    lines = text.splitlines()
+    try:
+        tree = _parser().parse(text if text.endswith("\n") else text + "\n")
+    except lark.exceptions.UnexpectedInput as exc:
+        line, column = getattr(exc, "line", 0), getattr(exc, "column", 0)
+        expected = sorted(_TOKEN_NAMES.get(t, t) for t in (getattr(exc, "expected", None) or []))
+        found = getattr(getattr(exc, "token", None), "value", None)
+        if found is None and hasattr(exc, "char"):
+            found = exc.char
+        what = f"unexpected {found!r}" if found not in (None, "") else "unexpected input"
+        hint = f"; expected {', '.join(expected[:8])}" if expected else ""
+        raise RuleError(what + hint, path, line, column, _line(lines, line)) from None
+    return _Checker(path, group, lines).statements(tree)
+
+
+def parse_file(path) -> list[Rule]:
+    path = Path(path)
+    return parse_rules(path.read_text(), str(path))
+
+
+def _line(lines, n):
+    return lines[n - 1] if 0 < n <= len(lines) else ""
+
+
+class _Checker:
+    def __init__(self, path, group, lines):
+        self.path, self.group, self.lines = path, group, lines
+        self.group_unsafe = False
+
+    def error(self, message, meta):
+        line, column = getattr(meta, "line", 0), getattr(meta, "column", 0)
+        raise RuleError(message, self.path, line, column, _line(self.lines, line))
+
+    def statements(self, tree) -> list[Rule]:
+        rules: list[Rule] = []
+        for stmt in tree.children:
+            if stmt.data == "group_decl":
+                name, *flags = stmt.children
+                self.group, self.group_unsafe = str(name), any(str(f.children[0]) == "unsafe" for f in flags)
+            else:
+                rules.append(self.rule(stmt))
+        return rules
+
+    def rule(self, node) -> Rule:
+        kids = list(node.children)
+        flags = [k for k in kids if isinstance(k, lark.Tree) and k.data == "flag"]
+        kids = kids[len(flags):]
+        name, lhs_tree, arrow, rhs_tree, *rest = kids
+        bindings = {}
+        conditions_tree = None
+        for extra in rest:
+            if extra.data == "bindings":
+                for b in extra.children:
+                    bindings[str(b.children[0])] = b.children[1]
+            else:
+                conditions_tree = extra
+        sorts: dict[str, str] = {}
+        lhs = self.term(lhs_tree, "tensor", sorts, bindings, bind=True)
+        if not isinstance(lhs, Pat):
+            self.error("the left-hand side must be an op call, not a bare variable or constant", lhs_tree.meta)
+        both = str(arrow) == "<=>"
+        rhs = self.term(rhs_tree, "tensor", sorts, bindings, bind=False)
+        if both and not isinstance(rhs, Pat):
+            self.error("a '<=>' rule needs an op call on both sides", rhs_tree.meta)
+        if both:
+            for var in collect_vars(lhs):
+                if var not in collect_vars(rhs):
+                    self.error(f"variable {var!r} is bound on the left but not used on the right; "
+                               "'<=>' needs both sides to use the same variables", lhs_tree.meta)
+        conditions = self.conditions(conditions_tree, sorts) if conditions_tree is not None else []
+        unsafe = self.group_unsafe or bool(flags)
+        return Rule(str(name), self.group, lhs, rhs, both, unsafe, conditions, self.path, node.meta.line)
+
+    def term(self, tree, sort, sorts, bindings, bind):
+        kind = tree.data
+        if kind == "var":
+            name = str(tree.children[0])
+            if name in bindings:
+                return self.term(bindings[name], sort, sorts, bindings, bind)
+            if name not in sorts:
+                if not bind:
+                    self.error(f"variable {name!r} is used on the right but not bound on the left-hand side",
+                               tree.meta)
+                sorts[name] = sort
+            elif sorts[name] != sort:
+                self.error(f"variable {name!r} is used as {sorts[name]} and as {sort}", tree.meta)
+            return Var(name, sort)
+        if kind == "number":
+            return Lit(self.number(tree, sort), sort)
+        if kind == "boolean":
+            if sort != "bool":
+                self.error(f"expected {sort}, got a boolean", tree.meta)
+            return Lit(str(tree.children[0]) == "true", "bool")
+        if kind == "string":
+            if sort != "str":
+                self.error(f"expected {sort}, got a string", tree.meta)
+            return Lit(str(tree.children[0])[1:-1], "str")
+        if kind == "list":
+            if sort != "ints":
+                self.error(f"expected {sort}, got a list", tree.meta)
+            items = tuple(self.term(c, "int", sorts, bindings, bind) for c in tree.children if c is not None)
+            return Lit(items, "ints") if all(isinstance(i, Lit) for i in items) else items
+        if kind == "call":
+            return self.call(tree, sort, sorts, bindings, bind)
+        self.error(f"unexpected {kind}", tree.meta)
+
+    def number(self, tree, sort):
+        text = str(tree.children[0])
+        if sort in ("int",):
+            if not text.lstrip("-").isdigit():
+                self.error(f"expected an integer, got {text}", tree.meta)
+            return int(text)
+        if sort not in ("tensor", "float"):
+            self.error(f"expected {sort}, got the number {text}", tree.meta)
+        return -math.inf if text == "-inf" else float(text)
+
+    def call(self, tree, sort, sorts, bindings, bind):
+        name_tok, *args = tree.children
+        args = [a for a in args if a is not None]
+        op = str(name_tok)
+        if op not in ops.OPS or op in ("input", "extern"):
+            known = ", ".join(sorted(n for n in ops.OPS if n not in ("input", "extern")))
+            self.error(f"unknown op {op!r}; known ops: {known}", tree.meta)
+        if sort != "tensor":
+            self.error(f"expected {sort}, got a call of {op}", tree.meta)
+        opdef = ops.OPS[op]
+        if op == "const":
+            self.error("write scalar constants as plain numbers", tree.meta)
+        positional = [a for a in args if a.data != "keyword"]
+        keywords = {str(a.children[0]): a for a in args if a.data == "keyword"}
+        slots = ["tensor"] * opdef.arity + [kind for _, kind in opdef.attrs]
+        names = [f"operand {i + 1}" for i in range(opdef.arity)] + list(opdef.attr_names())
+        if len(positional) > len(slots) or len(positional) < opdef.arity:
+            self.error(f"{op} takes {opdef.arity} tensor operand(s) and attributes "
+                       f"({', '.join(opdef.attr_names()) or 'none'}), got {len(positional)} positional argument(s)",
+                       tree.meta)
+        filled: list = [None] * len(slots)
+        for i, a in enumerate(positional):
+            filled[i] = a
+        for key, a in keywords.items():
+            if key not in names[opdef.arity:]:
+                self.error(f"{op} has no attribute {key!r} (attributes: {', '.join(opdef.attr_names()) or 'none'})",
+                           a.meta)
+            filled[names.index(key)] = a.children[1]
+        missing = [names[i] for i, a in enumerate(filled) if a is None]
+        if missing:
+            self.error(f"{op} is missing {', '.join(missing)}", tree.meta)
+        return Pat(op, tuple(self.term(a, s, sorts, bindings, bind) for a, s in zip(filled, slots)))
+
+    def conditions(self, tree, sorts) -> list[Condition]:
+        out = []
+        for comp in tree.children:
+            left_tree = comp.children[0]
+            left = self._cond_operand(left_tree, sorts)
+            sort = left.sort if isinstance(left, (Var, Lit)) else "float"
+            if comp.data == "membership":
+                right = tuple(self._cond_literal(t, sort) for t in comp.children[1:])
+                out.append(Condition(left, "in", right))
+            else:
+                op = str(comp.children[1])
+                right = self._cond_literal(comp.children[2], "float" if sort == "tensor" else sort)
+                out.append(Condition(left, op, (right,)))
+        return out
+
+    def _cond_operand(self, tree, sorts):
+        if tree.data != "var":
+            self.error("a condition starts with a variable", tree.meta)
+        name = str(tree.children[0])
+        if name not in sorts:
+            self.error(f"condition on unknown variable {name!r}", tree.meta)
+        return Var(name, sorts[name])
+
+    def _cond_literal(self, tree, sort):
+        if tree.data == "number":
+            return Lit(self.number(tree, "float" if sort == "tensor" else sort), sort)
+        if tree.data == "boolean":
+            return Lit(str(tree.children[0]) == "true", "bool")
+        if tree.data == "string":
+            return Lit(str(tree.children[0])[1:-1], "str")
+        self.error("a condition compares with a constant", tree.meta)

@@ -1,0 +1,54 @@
+"""The one module that imports egglog: a thin session over its text language.
+
+Everything above this module speaks egglog *text* (declarations, terms, rules
+compiled from the DSL); this module runs it, one iteration at a time so the
+caller can enforce e-node and time limits, and hands back the serialised
+e-graph as plain Python data for extraction.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from egglog.bindings import EGraph, EggSmolError
+
+from ..errors import EgraphCompilerError
+
+
+class EgglogError(EgraphCompilerError):
+    """egglog rejected generated text: a compiler bug, reported with the text."""
+
+
+@dataclass
+class IterationResult:
+    updated: bool
+    matches: dict[str, int]
+
+
+class EgglogSession:
+    def __init__(self):
+        self._egraph = EGraph()
+        self.program: list[str] = []  # everything sent, for `explain`
+
+    def run(self, text: str) -> list:
+        self.program.append(text)
+        try:
+            return self._egraph.run_program(*self._egraph.parse_program(text))
+        except EggSmolError as exc:
+            raise EgglogError(f"egglog rejected generated program: {exc}\n--- program ---\n{text[:4000]}") from exc
+
+    def run_iteration(self, ruleset: str) -> IterationResult:
+        (out,) = self.run(f"(run {ruleset} 1)")
+        report = out.report
+        return IterationResult(bool(report.updated), dict(report.num_matches_per_rule))
+
+    def size(self) -> int:
+        """Number of e-nodes over all functions (the node limit's measure)."""
+        (out,) = self.run("(print-size)")
+        return sum(count for _, count in out.sizes)
+
+    def serialized(self) -> dict:
+        return json.loads(self._egraph.serialize([]).to_json())
+
+    def dot(self) -> str:
+        return self._egraph.serialize([]).to_dot()

@@ -1,0 +1,134 @@
+"""Encode: Graph IR and DSL rules -> egglog text.
+
+One egglog constructor per op-table entry (`layer_norm` -> `LayerNorm`), with
+tensor operands first and attributes after, in op-table order.  Attribute
+sorts: int -> i64, float -> f64, bool -> bool, str -> String, ints -> an `Ints`
+cons list.  Graph outputs are bound to `$out<i>` so extraction finds its roots.
+Rules compile to `rewrite` commands, one ruleset per group.
+"""
+from __future__ import annotations
+
+import json
+import math
+
+from .. import ops
+from ..dsl.parser import Condition, Lit, Pat, Rule, Var
+from ..graph import Graph, Node, topo_order
+
+SORTS = {"int": "i64", "float": "f64", "bool": "bool", "str": "String", "ints": "Ints"}
+
+
+def ctor(op: str) -> str:
+    return "".join(part.capitalize() for part in op.split("_"))
+
+
+OP_OF_CTOR = {ctor(name): name for name in ops.OPS}
+
+
+def declarations() -> str:
+    lines = ["(datatype Ints (INil) (ICons i64 Ints))", "(sort T)"]
+    for opdef in ops.OPS.values():
+        if opdef.name == "extern":
+            continue
+        sorts = ["T"] * opdef.arity + [SORTS[kind] for _, kind in opdef.attrs]
+        lines.append(f"(constructor {ctor(opdef.name)} ({' '.join(sorts)}) T)")
+    lines.append("(datatype TList (TNil) (TCons T TList))")
+    lines.append("(constructor Extern (String TList) T)")
+    return "\n".join(lines)
+
+
+def literal(value, kind: str) -> str:
+    if kind == "ints":
+        out = "(INil)"
+        for v in reversed(tuple(value)):
+            out = f"(ICons {int(v)} {out})"
+        return out
+    if kind == "int":
+        return str(int(value))
+    if kind == "bool":
+        return "true" if value else "false"
+    if kind == "str":
+        return json.dumps(str(value))
+    value = float(value)
+    if math.isinf(value):
+        return "(/ 1.0 0.0)" if value > 0 else "(/ -1.0 0.0)"
+    if math.isnan(value):
+        raise ValueError("NaN constants cannot be encoded")
+    text = repr(value)
+    return text if ("." in text or "e" in text) else text + ".0"
+
+
+def encode_graph(graph: Graph) -> tuple[str, dict[int, str]]:
+    """Each node becomes `(let $nK ...)`; returns the text and node-id -> name."""
+    names: dict[int, str] = {}
+    lines = []
+    for node in topo_order(graph.outputs):
+        name = f"$n{len(names)}"
+        names[id(node)] = name
+        lines.append(f"(let {name} {_node_term(node, names)})")
+    for i, out in enumerate(graph.outputs):
+        lines.append(f"(let $out{i} {names[id(out)]})")
+    return "\n".join(lines), names
+
+
+def _node_term(node: Node, names) -> str:
+    if node.op == "extern":
+        items = "(TNil)"
+        for a in reversed(node.args):
+            items = f"(TCons {names[id(a)]} {items})"
+        return f"(Extern {literal(str(node.attr('target')), 'str')} {items})"
+    opdef = ops.get(node.op)
+    parts = [names[id(a)] for a in node.args]
+    parts += [literal(node.attr(name), kind) for name, kind in opdef.attrs]
+    return f"({ctor(node.op)}{''.join(' ' + p for p in parts)})"
+
+
+# ---- rules ----
+
+def rule_commands(rule: Rule) -> list[str]:
+    """egglog commands for one rule: a rewrite (two for `<=>`), named after it."""
+    options: list[list[str]] = [[]]  # one guard list per alternative of `in` conditions
+    for cond in rule.conditions:
+        if cond.is_assumption:
+            continue  # a declared domain: checked by `verify`, not at match time
+        if cond.op == "in":
+            options = [g + [f"(= {pattern(cond.left)} {literal(r.value, r.sort)})"] for g in options for r in cond.right]
+        else:
+            options = [g + [_guard(cond)] for g in options]
+    out = []
+    for k, guards in enumerate(options):
+        suffix = f"#{k}" if len(options) > 1 else ""
+        out.append(_rewrite(rule.lhs, rule.rhs, rule.group, rule.name + suffix, guards))
+        if rule.both_ways:
+            out.append(_rewrite(rule.rhs, rule.lhs, rule.group, rule.name + ".reverse" + suffix, guards))
+    return out
+
+
+def _rewrite(lhs, rhs, group, name, guards) -> str:
+    when = f" :when ({' '.join(guards)})" if guards else ""
+    return f"(rewrite {pattern(lhs)} {pattern(rhs)}{when} :ruleset {ruleset_name(group)} :name {json.dumps(name)})"
+
+
+def ruleset_name(group: str) -> str:
+    return "rs_" + "".join(c if c.isalnum() else "_" for c in group)
+
+
+def pattern(term) -> str:
+    if isinstance(term, Var):
+        return "v_" + term.name
+    if isinstance(term, Lit):
+        return f"(Const {literal(term.value, 'float')})" if term.sort == "tensor" else literal(term.value, term.sort)
+    if isinstance(term, tuple):  # a list attribute holding variables
+        out = "(INil)"
+        for item in reversed(term):
+            out = f"(ICons {pattern(item)} {out})"
+        return out
+    assert isinstance(term, Pat)
+    return f"({ctor(term.op)}{''.join(' ' + pattern(a) for a in term.args)})"
+
+
+def _guard(cond: Condition) -> str:
+    left = pattern(cond.left)
+    op = {"==": "="}.get(cond.op, cond.op)
+    (right,) = cond.right
+    return f"({op} {left} {literal(right.value, right.sort if right.sort != 'tensor' else 'float')})"

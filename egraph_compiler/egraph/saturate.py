@@ -1,0 +1,83 @@
+"""Saturate: run rule groups over the e-graph under explicit limits.
+
+A schedule is a list of phases; each phase is a set of rule groups run
+together, one iteration at a time, until nothing changes or a limit is hit.
+The limits (iterations, e-nodes, seconds) are shared by the whole run.  The
+run always ends with a stop reason and per-rule match counts; whatever the
+e-graph holds at that point is what extraction chooses from.
+"""
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from ..dsl.parser import Rule
+from .egg import EgglogSession
+from .encode import rule_commands, ruleset_name
+
+SATURATED, ITERATION_LIMIT, NODE_LIMIT, TIME_LIMIT = "saturated", "iteration limit", "node limit", "time limit"
+
+
+@dataclass
+class Limits:
+    iter_limit: int = 30
+    node_limit: int = 50_000
+    time_limit: float = 10.0
+
+
+@dataclass
+class Report:
+    stop_reason: str = SATURATED
+    iterations: int = 0
+    enodes: int = 0
+    seconds: float = 0.0
+    matches: Counter = field(default_factory=Counter)  # rule name -> matches
+    phases: list[tuple[str, str, int]] = field(default_factory=list)  # (phase, stop reason, iterations)
+
+    def __str__(self) -> str:
+        fired = ", ".join(f"{name} x{n}" for name, n in sorted(self.matches.items()) if n) or "none"
+        return (f"saturation: {self.stop_reason} after {self.iterations} iteration(s), "
+                f"{self.enodes} e-nodes, {self.seconds:.3f}s\n  rules fired: {fired}")
+
+
+def install_rules(session: EgglogSession, rules: list[Rule]) -> None:
+    for group in dict.fromkeys(r.group for r in rules):
+        session.run(f"(ruleset {ruleset_name(group)})")
+    session.run("\n".join(cmd for r in rules for cmd in rule_commands(r)))
+
+
+def saturate(session: EgglogSession, schedule: list[list[str]], limits: Limits) -> Report:
+    report = Report()
+    start = time.perf_counter()
+    for number, groups in enumerate(schedule):
+        if not groups:
+            continue
+        phase = f"phase{number}"
+        session.run(f"(unstable-combined-ruleset {phase} {' '.join(ruleset_name(g) for g in groups)})")
+        reason, count = _run_phase(session, phase, limits, report, start)
+        report.phases.append(("+".join(groups), reason, count))
+        if reason != SATURATED:
+            report.stop_reason = reason
+            break
+    report.enodes = session.size()
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def _run_phase(session, phase, limits, report, start) -> tuple[str, int]:
+    count = 0
+    while True:
+        if report.iterations >= limits.iter_limit:
+            return ITERATION_LIMIT, count
+        if time.perf_counter() - start >= limits.time_limit:
+            return TIME_LIMIT, count
+        result = session.run_iteration(phase)
+        report.iterations += 1
+        count += 1
+        for name, n in result.matches.items():
+            report.matches[name.split("#")[0].removesuffix(".reverse")] += n
+        if not result.updated:
+            return SATURATED, count
+        if session.size() >= limits.node_limit:
+            return NODE_LIMIT, count
