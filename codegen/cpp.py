@@ -1,0 +1,75 @@
+"""C++ renderer: loop IR -> one OpenMP-parallel, vectorisable C++ function per
+kernel.  The outer loop is `omp parallel for`, inner loops are `omp simd`
+(with a reduction clause for accumulators)."""
+from __future__ import annotations
+
+from egraph_compiler.loopir import LoopKernel
+
+from .walker import Target, float_literal, render_expr
+
+CTYPES = {"float32": "float", "float64": "double", "bool": "bool", "int64": "int64_t", "int32": "int32_t"}
+PARALLEL_MIN = 1 << 15  # below this many elements, threads cost more than they save
+
+SCALAR_OPS = {
+    "exp": "std::exp({0})", "log": "std::log({0})", "tanh": "std::tanh({0})", "erf": "std::erf({0})",
+    "relu": "std::max({0}, 0.0f)", "sigmoid": "(1.0f / (1.0f + std::exp(-({0}))))", "neg": "(-({0}))",
+    "abs": "std::fabs({0})", "sqrt": "std::sqrt({0})", "rsqrt": "(1.0f / std::sqrt({0}))",
+    "silu": "(({0}) / (1.0f + std::exp(-({0}))))",
+    "gelu": "(0.5f * ({0}) * (1.0f + std::erf(({0}) * 0.7071067811865476f)))",
+    "gelu_tanh": "(0.5f * ({0}) * (1.0f + std::tanh(0.7978845608028654f * (({0}) + 0.044715f * ({0}) * ({0}) * ({0})))))",
+    "cast": "static_cast<float>({0})",
+    "add": "(({0}) + ({1}))", "sub": "(({0}) - ({1}))", "mul": "(({0}) * ({1}))", "div": "(({0}) / ({1}))",
+    "maximum": "egc_maximum({0}, {1})", "pow": "std::pow({0}, {1})",
+    "gt": "(({0}) > ({1}))", "ge": "(({0}) >= ({1}))", "lt": "(({0}) < ({1}))", "le": "(({0}) <= ({1}))",
+    "eq": "(({0}) == ({1}))", "ne": "(({0}) != ({1}))",
+    "where": "(({0}) ? ({1}) : ({2}))",
+}
+
+PRELUDE = """#include <cmath>
+#include <cstdint>
+#include <algorithm>
+static inline float egc_maximum(float a, float b) { return (a != a || a > b) ? a : ((b != b) ? b : std::max(a, b)); }
+"""
+
+TARGET = Target(
+    ops=SCALAR_OPS,
+    load=lambda e: f"{e.param}[{e.index}]",
+    const=lambda v: float_literal(v, "f", "INFINITY", "NAN"),
+    pow_special={2.0: "(({0}) * ({0}))", 0.5: "std::sqrt({0})", 1.0: "({0})", 3.0: "(({0}) * ({0}) * ({0}))",
+                 -1.0: "(1.0f / ({0}))"},
+)
+
+_INIT = {"sum": "0.0f", "max": "-INFINITY"}
+_COMBINE = {"sum": "{acc} += {v};", "max": "{acc} = std::max({acc}, {v});"}
+_CLAUSE = {"sum": "+", "max": "max"}
+
+
+def render_kernel(k: LoopKernel) -> str:
+    params = ", ".join(
+        f"{'const ' if p.role == 'in' else ''}{CTYPES[p.dtype]}* __restrict__ {p.name}" for p in k.params)
+    out_type = CTYPES[next(p.dtype for p in k.params if p.role == "out")]
+    parallel = k.outer > 1 and k.outer * k.inner >= PARALLEL_MIN
+    lines = [f'extern "C" void {k.name}({params}) {{']
+    if parallel:
+        lines.append("  #pragma omp parallel for schedule(static)")
+    lines.append(f"  for (int64_t o = 0; o < {k.outer}; ++o) {{")
+    for red in k.reductions:
+        body = render_expr(red.body, TARGET)
+        lines.append(f"    float {red.acc} = {_INIT[red.combiner]};")
+        lines.append(f"    #pragma omp simd reduction({_CLAUSE[red.combiner]}:{red.acc})")
+        lines.append(f"    for (int64_t r = 0; r < {k.inner}; ++r) {{ "
+                     f"{_COMBINE[red.combiner].format(acc=red.acc, v=body)} }}")
+    value = render_expr(k.value, TARGET)
+    store = f"{k.store_param}[{k.store_index}] = static_cast<{out_type}>({value});"
+    if k.store_in_inner:
+        lines.append("    #pragma omp simd")
+        lines.append(f"    for (int64_t r = 0; r < {k.inner}; ++r) {{ {store} }}")
+    else:
+        lines.append(f"    {store}")
+    lines += ["  }", "}"]
+    return "\n".join(lines)
+
+
+def render_program(kernels: list[LoopKernel]) -> str:
+    return PRELUDE + "\n" + "\n\n".join(render_kernel(k) for k in kernels) + "\n"
+

@@ -1,0 +1,55 @@
+"""Public API: `compile`, `explain`, and the `torch.compile` backend."""
+from __future__ import annotations
+
+from .pipeline import Levels, Options, run_pipeline
+
+
+class CompiledFunction:
+    """A compiled program: call it like the original.  Carries `plan` (the
+    chosen kernels), `source` (generated code), `report` (saturation) and
+    `levels` (every IR level's text)."""
+
+    def __init__(self, executable, plan, report, levels: Levels):
+        self._executable = executable
+        self.plan = plan
+        self.report = report
+        self.levels = levels
+        self.source = levels.source
+
+    @property
+    def compiled_now(self) -> bool:
+        """False when the generated code came from the on-disk cache."""
+        return self._executable.compiled_now
+
+    def __call__(self, *args):
+        return self._executable(*args)
+
+
+def compile(fn, example_inputs, *, target="cpu", rules=(), disable=(), unsafe=False,
+            iter_limit=30, node_limit=50_000, time_limit=10.0, strict=False) -> CompiledFunction:
+    """Compile a function or nn.Module for inputs shaped like `example_inputs`.
+
+    rules: extra rule files (paths) or rule text added to the library.
+    disable: rule or group names switched off.  unsafe: True, or names of
+    unsafe rules/groups to switch on.  iter_limit / node_limit / time_limit
+    (seconds) bound saturation.  strict: an op outside the vocabulary raises
+    instead of falling back to ATen.
+    """
+    options = Options(target, list(rules), list(disable), unsafe, iter_limit, node_limit, time_limit, strict)
+    return CompiledFunction(*run_pipeline(fn, example_inputs, options))
+
+
+def explain(fn, example_inputs, **kwargs) -> Levels:
+    """Each level's text: ATen graph, Graph IR, e-graph, plan, loop IR, source."""
+    return compile(fn, example_inputs, **kwargs).levels
+
+
+def dynamo_backend(gm, example_inputs, **kwargs):
+    """`torch.compile(model, backend="egraph")`: compile each captured graph."""
+    compiled = compile(gm, list(example_inputs), **kwargs)
+
+    def run(*args):
+        out = compiled(*args)
+        return out if isinstance(out, tuple) else (out,)
+    run.compiled = compiled
+    return run

@@ -1,0 +1,162 @@
+"""Loop IR: a kernel as an iteration domain, loads with index maps, a scalar
+body, reductions and a store.
+
+Every kernel iterates an `outer` range (parallel) and, inside it, an `inner`
+range (vectorised).  Reductions run as inner loops, one after another, each
+leaving a scalar accumulator for the rest of the body; the store then runs
+either as one more inner loop (a pointwise or row kernel) or once per outer
+index (a reduction).  Indices are `Affine` forms over the two loop variables,
+with floor-division and modulo terms for reshapes; they simplify using the
+variables' ranges so that plain strided access renders as plain arithmetic.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Affine:
+    """sum(coeff * term) + const, term = a loop variable or ('div'|'mod', Affine, c)."""
+    terms: tuple = ()  # ((term, coeff), ...)
+    const: int = 0
+
+    @staticmethod
+    def var(name: str, bound: int) -> "Affine":
+        return Affine(((("var", name, bound), 1),)) if bound > 1 else Affine()
+
+    @staticmethod
+    def of(c: int) -> "Affine":
+        return Affine((), int(c))
+
+    def __add__(self, other: "Affine") -> "Affine":
+        merged: dict = {}
+        for term, coeff in self.terms + other.terms:
+            merged[term] = merged.get(term, 0) + coeff
+        return Affine(tuple((t, c) for t, c in merged.items() if c), self.const + other.const)
+
+    def scale(self, k: int) -> "Affine":
+        if k == 0:
+            return Affine()
+        return Affine(tuple((t, c * k) for t, c in self.terms), self.const * k)
+
+    def upper(self) -> int:
+        """Largest value + 1 (all coefficients are non-negative)."""
+        return self.const + sum(c * (_term_bound(t) - 1) for t, c in self.terms) + 1
+
+    def floordiv(self, c: int) -> "Affine":
+        if c == 1:
+            return self
+        if self.upper() <= c and self.const >= 0:
+            return Affine()
+        exact = Affine(tuple((t, k // c) for t, k in self.terms if k % c == 0), 0)
+        rest = Affine(tuple((t, k) for t, k in self.terms if k % c), self.const % c)
+        whole = self.const // c
+        if not rest.terms:
+            return exact + Affine.of(whole + rest.const // c)
+        if rest.upper() <= c:
+            return exact + Affine.of(whole)
+        return exact + Affine.of(whole) + Affine(((("div", rest, c), 1),))
+
+    def mod(self, c: int) -> "Affine":
+        if c == 1:
+            return Affine()
+        reduced = Affine(tuple((t, k) for t, k in self.terms if k % c), self.const % c)
+        if reduced.upper() <= c:
+            return reduced
+        return Affine(((("mod", reduced, c), 1),))
+
+    def __str__(self) -> str:
+        parts = []
+        for term, coeff in self.terms:
+            text = _term_str(term)
+            parts.append(text if coeff == 1 else f"{coeff}*{text}")
+        if self.const or not parts:
+            parts.append(str(self.const))
+        return " + ".join(parts)
+
+
+def _term_bound(term) -> int:
+    if term[0] == "var":
+        return term[2]
+    kind, inner, c = term
+    return -(-inner.upper() // c) if kind == "div" else c
+
+
+def _term_str(term) -> str:
+    if term[0] == "var":
+        return term[1]
+    kind, inner, c = term
+    return f"(({inner}) {'/' if kind == 'div' else '%'} {c})"
+
+
+# ---- scalar expressions ----
+
+@dataclass(frozen=True)
+class Load:
+    param: str
+    index: Affine
+
+
+@dataclass(frozen=True)
+class Const:
+    value: float
+
+
+@dataclass(frozen=True)
+class Call:
+    op: str  # an op-table name (pointwise) or an internal scalar op
+    args: tuple
+
+
+@dataclass(frozen=True)
+class Acc:
+    name: str
+
+
+@dataclass(frozen=True)
+class Reduction:
+    acc: str
+    combiner: str  # sum | max
+    body: object
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    dtype: str
+    role: str  # in | out
+
+
+@dataclass
+class LoopKernel:
+    name: str
+    params: list[Param]
+    outer: int
+    inner: int
+    reductions: list[Reduction] = field(default_factory=list)
+    store_param: str = ""
+    store_index: Affine = field(default_factory=Affine)
+    value: object = None
+    store_in_inner: bool = True  # False: one store per outer index (a reduction's result)
+
+    def __str__(self) -> str:
+        params = ", ".join(f"{p.role} {p.name}: {p.dtype}" for p in self.params)
+        lines = [f"kernel {self.name}({params}):", f"  for o in 0..{self.outer} (parallel):"]
+        for red in self.reductions:
+            lines.append(f"    {red.acc} = {red.combiner} over r in 0..{self.inner}: {expr_str(red.body)}")
+        if self.store_in_inner:
+            lines.append(f"    for r in 0..{self.inner} (vector):")
+            lines.append(f"      {self.store_param}[{self.store_index}] = {expr_str(self.value)}")
+        else:
+            lines.append(f"    {self.store_param}[{self.store_index}] = {expr_str(self.value)}")
+        return "\n".join(lines)
+
+
+def expr_str(e) -> str:
+    if isinstance(e, Load):
+        return f"{e.param}[{e.index}]"
+    if isinstance(e, Const):
+        return repr(e.value)
+    if isinstance(e, Acc):
+        return e.name
+    return f"{e.op}(" + ", ".join(expr_str(a) for a in e.args) + ")"

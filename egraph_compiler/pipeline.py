@@ -1,0 +1,128 @@
+"""The pipeline: the one place that knows the order of the stages.
+
+capture -> encode (+rules) -> saturate -> extract -> plan -> lower -> render -> load.
+Each stage's output prints; `Levels` keeps those texts for `explain` and for
+the EGC_DEBUG environment variable.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+
+from codegen.cpp import render_program
+
+from . import capture as capture_mod
+from .cost import PROFILES
+from .dsl.library import check_unique, library_rules, load_user_rules, select
+from .egraph import encode, extract, saturate
+from .egraph.egg import EgglogSession
+from .errors import EgraphCompilerError, UnsupportedOpError
+from .graph import Graph
+from .lower import lower_kernel
+from .plan import Plan, make_plan
+from .runtime import Executable
+
+DEBUG_ENV = "EGC_DEBUG"
+_warned: set[str] = set()
+
+
+@dataclass
+class Options:
+    target: str = "cpu"
+    rules: list = field(default_factory=list)
+    disable: list = field(default_factory=list)
+    unsafe: object = False
+    iter_limit: int = 30
+    node_limit: int = 50_000
+    time_limit: float = 10.0
+    strict: bool = False
+    profile: str | None = None
+
+
+@dataclass
+class Levels:
+    aten: str = ""
+    graph: str = ""
+    egraph: str = ""
+    plan: str = ""
+    loops: str = ""
+    source: str = ""
+    timings: dict = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        parts = [("ATen graph", self.aten), ("Graph IR", self.graph), ("e-graph", self.egraph),
+                 ("plan", self.plan), ("loop IR", self.loops), ("source", self.source)]
+        return "\n\n".join(f"=== {title} ===\n{text}" for title, text in parts)
+
+
+def run_pipeline(fn, example_inputs, options: Options):
+    """Returns (executable, plan, report, levels)."""
+    if options.target != "cpu":
+        raise EgraphCompilerError(f"target {options.target!r} is not available; use target='cpu'")
+    levels = Levels()
+    clock = time.perf_counter()
+    graph, levels.aten = capture_mod.capture(fn, example_inputs)
+    levels.graph = str(graph)
+    _check_externs(graph, options.strict)
+    rules = library_rules() + load_user_rules(options.rules)
+    check_unique(rules)
+    rules = select(rules, options.disable, options.unsafe)
+    levels.timings["capture"] = time.perf_counter() - clock
+
+    session = EgglogSession()
+    session.run(encode.declarations())
+    session.run(encode.encode_graph(graph)[0])
+    saturate.install_rules(session, rules)
+    schedule = [list(dict.fromkeys(r.group for r in rules))]
+    limits = saturate.Limits(options.iter_limit, options.node_limit, options.time_limit)
+    report = saturate.saturate(session, schedule, limits)
+    levels.egraph = str(report)
+
+    profile = PROFILES[options.profile or options.target]
+    clock = time.perf_counter()
+    eclasses = extract.load(session.serialized(), graph)
+    extract.analyse(eclasses, graph, profile)
+    choice, dag_cost = extract.extract_greedy(eclasses)
+    best = extract.build(eclasses, choice, graph)
+    plan = make_plan(best, profile, report.matches)
+    plan.extraction = f"extraction: greedy DAG cost {dag_cost * 1e6:.1f}us over {eclasses.enode_count} e-nodes"
+    levels.timings["extract"] = time.perf_counter() - clock
+    levels.plan = str(plan) + "\n\n" + str(best)
+    _warn_fallbacks(plan)
+
+    buffer_names = _buffer_names(best, plan)
+    loops = [lower_kernel(k, buffer_names) for k in plan.kernels if k.kind == "generated"]
+    levels.loops = "\n\n".join(str(k) for k in loops)
+    levels.source = render_program(loops)
+    clock = time.perf_counter()
+    executable = Executable(plan, buffer_names, levels.source)
+    levels.timings["load"] = time.perf_counter() - clock
+    if os.environ.get(DEBUG_ENV):
+        print(levels, file=sys.stderr)
+    return executable, plan, report, levels
+
+
+def _buffer_names(graph: Graph, plan: Plan) -> dict[int, str]:
+    names = {id(n): f"in{i}" for i, n in enumerate(graph.inputs)}
+    for k in plan.kernels:
+        names[id(k.output)] = f"buf{k.name[1:]}"
+    return names
+
+
+def _check_externs(graph: Graph, strict: bool) -> None:
+    for node in graph.topo():
+        if node.op == "extern" and strict:
+            call = node.attr("target")
+            raise UnsupportedOpError(f"unsupported op {str(call).split('#')[0]} at {call.where} "
+                                     f"(strict=True turns ATen fallbacks into errors)")
+
+
+def _warn_fallbacks(plan: Plan) -> None:
+    for entry in plan.fallbacks:
+        name = entry.split(" (")[0]
+        if name not in _warned:
+            _warned.add(name)
+            warnings.warn(f"egraph-compiler: {entry} runs through ATen (listed in plan.fallbacks)", stacklevel=4)

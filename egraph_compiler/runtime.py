@@ -1,0 +1,141 @@
+"""Runtime: compile generated C++ with the system compiler, load it, and run
+a plan's kernels on torch buffers.
+
+Shared objects are cached on disk by a hash of their source and flags, so a
+second compile of the same program does no C++ compile.  Buffers are torch
+tensors: generated kernels get their data pointers; library calls and ATen
+fallbacks get torch views built from the same buffers.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from . import ops
+from .errors import CodegenError, InputError
+from .graph import WEAK, Graph, Node
+from .plan import Plan, view_source
+
+CXX = os.environ.get("CXX", "g++")
+CXXFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=c++17"]
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("EGC_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "egraph_compiler")
+    path = Path(root)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def build_shared_object(source: str) -> tuple[Path, bool]:
+    """Returns the library path and whether it was compiled now (False: from the cache)."""
+    key = hashlib.sha256((source + "\0" + " ".join([CXX] + CXXFLAGS)).encode()).hexdigest()[:24]
+    lib = cache_dir() / f"egc_{key}.so"
+    if lib.exists():
+        return lib, False
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "kernels.cpp"
+        src.write_text(source)
+        out = Path(tmp) / "kernels.so"
+        proc = subprocess.run([CXX, *CXXFLAGS, str(src), "-o", str(out)], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise CodegenError(f"C++ compile failed (a compiler bug):\n{proc.stderr[-3000:]}")
+        os.replace(out, lib)  # atomic: a concurrent reader sees all or nothing
+    return lib, True
+
+
+def torch_dtype(dtype: str) -> torch.dtype:
+    return torch.float32 if dtype == WEAK else getattr(torch, dtype)
+
+
+class Executable:
+    """Runs a plan: generated kernels through ctypes, the rest through torch."""
+
+    def __init__(self, plan: Plan, buffer_names: dict[int, str], source: str):
+        self.plan = plan
+        self.graph: Graph = plan.graph
+        self.compiled_now = False
+        self._lib = None
+        if any(k.kind == "generated" for k in plan.kernels):
+            path, self.compiled_now = build_shared_object(source)
+            self._lib = ctypes.CDLL(str(path))
+        self._steps = [self._step(k) for k in plan.kernels]
+
+    def _step(self, kernel):
+        node = kernel.output
+        if kernel.kind == "generated":
+            fn = getattr(self._lib, kernel.name)
+            fn.restype = None
+            fn.argtypes = [ctypes.c_void_p] * (len(kernel.inputs) + 1)
+            return ("generated", node, kernel.inputs, fn)
+        return (kernel.kind, node, None, None)
+
+    def __call__(self, *args):
+        env = self._bind(args)
+        for kind, node, inputs, fn in self._steps:
+            if kind == "generated":
+                out = torch.empty(node.shape, dtype=torch_dtype(node.dtype))
+                fn(*[env[id(i)].data_ptr() for i in inputs], out.data_ptr())
+            else:
+                out = self._run_torch(node, env)
+            env[id(node)] = out
+        results = tuple(self._result(o, env) for o in self.graph.outputs)
+        return results[0] if len(results) == 1 else results
+
+    def _bind(self, args) -> dict[int, torch.Tensor]:
+        user = [n for n in self.graph.inputs if n.attr("name") not in self.graph.bound]
+        if len(args) != len(user):
+            raise InputError(f"expected {len(user)} tensor argument(s) "
+                             f"({', '.join(n.attr('name') for n in user)}), got {len(args)}")
+        env = {}
+        for node, value in zip(user, args):
+            env[id(node)] = self._check(node, value)
+        for node in self.graph.inputs:
+            if node.attr("name") in self.graph.bound:
+                env[id(node)] = self._check(node, self.graph.bound[node.attr("name")])
+        return env
+
+    @staticmethod
+    def _check(node: Node, value) -> torch.Tensor:
+        name = node.attr("name")
+        if not isinstance(value, torch.Tensor):
+            raise InputError(f"argument {name!r} must be a torch.Tensor, got {type(value).__name__}")
+        if tuple(value.shape) != node.shape or value.dtype != torch_dtype(node.dtype):
+            raise InputError(f"argument {name!r}: compiled for {node.dtype}{list(node.shape)}, "
+                             f"got {str(value.dtype).removeprefix('torch.')}{list(value.shape)}; compile again "
+                             f"for the new shape")
+        if value.device.type != "cpu":
+            raise InputError(f"argument {name!r} is on {value.device}; the C++ target runs on the CPU")
+        return value.detach().contiguous()
+
+    def _tensor(self, node: Node, env) -> torch.Tensor:
+        if id(node) in env:
+            return env[id(node)]
+        if node.op == "const":
+            return torch.tensor(node.attr("value"), dtype=torch.float32)
+        if node.group == "layout":
+            return ops.get(node.op).reference([self._tensor(node.args[0], env)], node.a)
+        raise CodegenError(f"{node.op} is read before it is computed")
+
+    def _run_torch(self, node: Node, env) -> torch.Tensor:
+        args = [self._tensor(a, env) for a in node.args]
+        if node.op == "extern":
+            return node.attr("target").run(args)
+        if node.op in ("sdpa", "sdpa_mask"):
+            args = [a.contiguous() for a in args]  # torch picks its fused CPU kernel for dense inputs
+        out = ops.get(node.op).reference(args, node.a)
+        return out.to(torch_dtype(node.dtype)) if node.dtype != WEAK else out
+
+    def _result(self, node: Node, env) -> torch.Tensor:
+        value = self._tensor(node, env)
+        if node.op == "const":
+            return value
+        if view_source(node).op == "input" or not value.is_contiguous():
+            return value.clone(memory_format=torch.contiguous_format)  # never alias the caller's tensors
+        return value

@@ -1,0 +1,1 @@
+"""The rule library: one theme a `.rules` file, shipped as package data."""
