@@ -38,9 +38,15 @@ def export_aten(fn, example_inputs) -> torch.export.ExportedProgram:
     module = fn if isinstance(fn, torch.nn.Module) else _Wrap(fn)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        try:  # strict (Dynamo) capture records the user's source lines
-            program = torch.export.export(module, tuple(example_inputs), strict=True)
-        except Exception:
+        # Strict (Dynamo) capture records the user's source lines; a graph that
+        # Dynamo already captured (torch.compile backend) must not re-enter Dynamo.
+        program = None
+        if not isinstance(fn, torch.fx.GraphModule):
+            try:
+                program = torch.export.export(module, tuple(example_inputs), strict=True)
+            except Exception:
+                program = None
+        if program is None:
             try:
                 program = torch.export.export(module, tuple(example_inputs), strict=False)
             except Exception as exc:  # torch's own message names the failing construct

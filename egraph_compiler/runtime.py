@@ -76,6 +76,7 @@ class Executable:
             return ("generated", node, kernel.inputs, fn)
         return (kernel.kind, node, None, None)
 
+    @torch.no_grad()  # compiled programs are inference-only: no autograd graph is recorded
     def __call__(self, *args):
         env = self._bind(args)
         for kind, node, inputs, fn in self._steps:

@@ -42,7 +42,8 @@ def check_unique(rules: list[Rule]) -> None:
     for r in rules:
         if r.name in seen:
             first = seen[r.name]
-            raise RuleError(f"duplicate rule name {r.name!r} (first defined at {first.location})", r.path, r.line, 1)
+            raise RuleError(f"duplicate rule name {r.name!r} (first defined at {first.location})", r.path, r.line,
+                            r.text.find("rule " + r.name) + 6, r.text)
         seen[r.name] = r
 
 

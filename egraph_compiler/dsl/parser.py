@@ -59,6 +59,7 @@ class Rule:
     conditions: list[Condition] = field(default_factory=list)
     path: str = "<rules>"
     line: int = 0
+    text: str = ""  # the source line, for messages
 
     @property
     def location(self) -> str:
@@ -90,7 +91,8 @@ def _parser() -> lark.Lark:
 _TOKEN_NAMES = {"_NL": "end of line", "NAME": "a name", "NUMBER": "a number", "LPAR": "'('", "RPAR": "')'",
                 "COMMA": "','", "COLON": "':'", "ARROW": "'=>' or '<=>'", "LSQB": "'['", "RSQB": "']'",
                 "EQUAL": "'='", "RULE": "'rule'", "GROUP": "'group'", "UNSAFE": "'unsafe'", "IF": "'if'",
-                "WHERE": "'where'", "COMPARE": "a comparison", "$END": "end of file"}
+                "WHERE": "'where'", "COMPARE": "a comparison", "$END": "end of file", "BOOL": "true/false",
+                "STRING": "a string"}
 
 
 def parse_rules(text: str, path: str = "<rules>", group: str | None = None) -> list[Rule]:
@@ -167,7 +169,8 @@ class _Checker:
                                "'<=>' needs both sides to use the same variables", lhs_tree.meta)
         conditions = self.conditions(conditions_tree, sorts) if conditions_tree is not None else []
         unsafe = self.group_unsafe or bool(flags)
-        return Rule(str(name), self.group, lhs, rhs, both, unsafe, conditions, self.path, node.meta.line)
+        return Rule(str(name), self.group, lhs, rhs, both, unsafe, conditions, self.path, node.meta.line,
+                    _line(self.lines, node.meta.line))
 
     def term(self, tree, sort, sorts, bindings, bind):
         kind = tree.data
@@ -217,7 +220,7 @@ class _Checker:
         args = [a for a in args if a is not None]
         op = str(name_tok)
         if op not in ops.OPS or op in ("input", "extern"):
-            known = ", ".join(sorted(n for n in ops.OPS if n not in ("input", "extern")))
+            known = ", ".join(sorted(n for n in ops.OPS if n not in ("input", "extern", "const")))
             self.error(f"unknown op {op!r}; known ops: {known}", tree.meta)
         if sort != "tensor":
             self.error(f"expected {sort}, got a call of {op}", tree.meta)

@@ -1,0 +1,378 @@
+"""Benchmark harness: eager PyTorch vs torch.compile (Inductor) vs egraph-compiler.
+
+    python -m benchmarks.run [--size cpu|test|gpu] [--device cpu|cuda]
+                             [--dtype float32|bfloat16] [--workloads a,b,...]
+                             [--reps N] [--warmup N] [--json PATH]
+
+Method (see BENCHMARKS.md):
+  * one process; for each workload the three variants run on the SAME input
+    tensors (egraph_compiler.workloads.make, fixed seed);
+  * Inductor's and ours' outputs are checked against eager first
+    (torch.testing.assert_close; atol=rtol=1e-3 fp32, 2e-2 bf16); a variant
+    that fails the check (or fails to compile) is reported instead of timed;
+  * cold compile time: torch.compile -> wall time of the first call (with a
+    fresh TORCHINDUCTOR_CACHE_DIR for this process); ours -> egc.compile +
+    first call, with EGC_CACHE_DIR set to a fresh temporary directory per
+    workload so the C++ is really compiled.  Both compilers are pre-warmed
+    once per process on a tiny unrelated function first, so one-time start-up
+    (imports, rule parsing, codecache set-up) is not charged to whichever
+    workload comes first;
+  * timing: `--warmup` calls of each variant, then `--reps` rounds; in each
+    round every variant runs one block of `inner` back-to-back calls
+    (`inner` chosen so a block takes about --block-ms), the variants
+    interleaved within the round (their order rotates each round so no
+    variant always follows the same one).  The reported number is the
+    median over rounds of the per-call time of a block, in ms.  CPU blocks
+    are timed with time.perf_counter; CUDA blocks with CUDA events after a
+    torch.cuda.synchronize().
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+
+# Inductor's on-disk caches go to a fresh directory so its compile is cold,
+# like ours.  Must be set before torch._inductor reads it.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="bench_inductor_"))
+
+import torch  # noqa: E402
+
+import egraph_compiler as egc  # noqa: E402
+from egraph_compiler import workloads  # noqa: E402
+
+VARIANTS = ("eager", "inductor", "ours")
+UNSAFE = {"algebra"}  # workloads whose rewrite needs unsafe rules (exp(log(x)) -> x)
+TOL = {torch.float32: 1e-3, torch.bfloat16: 2e-2}
+
+
+# --------------------------------------------------------------------------- helpers
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def short_error(exc: BaseException, limit: int = 160) -> str:
+    text = f"{type(exc).__name__}: {exc}".strip().splitlines()
+    first = text[0] if text else type(exc).__name__
+    return first if len(first) <= limit else first[: limit - 3] + "..."
+
+
+def check(out, ref, tol: float) -> str | None:
+    """None when `out` matches `ref`, else a one-line reason."""
+    try:
+        torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
+        return None
+    except AssertionError as exc:
+        lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+        return "mismatch: " + "; ".join(lines[:3])
+
+
+def time_block(fn, args, inner: int, device: str) -> float:
+    """Seconds per call, averaged over one block of `inner` calls."""
+    if device == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(inner):
+            fn(*args)
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / 1e3 / inner
+    t0 = time.perf_counter()
+    for _ in range(inner):
+        fn(*args)
+    return (time.perf_counter() - t0) / inner
+
+
+def geomean(values):
+    values = [v for v in values if v is not None and v > 0 and math.isfinite(v)]
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else None
+
+
+# --------------------------------------------------------------------------- one workload
+
+def bench_workload(name: str, args) -> dict:
+    device, dtype = args.device, getattr(torch, args.dtype)
+    tol = TOL[dtype]
+    fn, inputs = workloads.make(name, size=args.size, dtype=dtype, device=device)
+    row: dict = {"workload": name, "status": {}, "compile_s": {}, "ms": {}, "rounds_ms": {}, "inner": {}}
+    callables = {"eager": fn}
+
+    ref = fn(*inputs)
+    sync(device)
+    row["status"]["eager"] = "ok"
+
+    # -- Inductor: cold compile = wall time of the first call
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(fn)
+        sync(device)
+        t0 = time.perf_counter()
+        out = compiled(*inputs)
+        sync(device)
+        row["compile_s"]["inductor"] = time.perf_counter() - t0
+        bad = check(out, ref, tol)
+        row["status"]["inductor"] = bad or "ok"
+        if bad is None:
+            callables["inductor"] = compiled
+    except Exception as exc:  # report, don't crash the whole run
+        row["status"]["inductor"] = "error: " + short_error(exc)
+        traceback.print_exc()
+
+    # -- ours: cold compile = egc.compile + first call, fresh C++ cache
+    if device != "cpu":
+        row["status"]["ours"] = ("n/a: egc.compile only supports target='cpu' for now "
+                                 f"(device {device!r} not benchmarked)")
+    else:
+        old_cache = os.environ.get("EGC_CACHE_DIR")
+        with tempfile.TemporaryDirectory(prefix="bench_egc_") as cache:
+            os.environ["EGC_CACHE_DIR"] = cache
+            try:
+                t0 = time.perf_counter()
+                ours = egc.compile(fn, inputs, unsafe=name in UNSAFE)
+                out = ours(*inputs)
+                row["compile_s"]["ours"] = time.perf_counter() - t0
+                kinds: dict[str, int] = {}
+                for k in ours.plan.kernels:
+                    kinds[k.kind] = kinds.get(k.kind, 0) + 1
+                row["kernels"] = len(ours.plan.kernels)
+                row["kernel_kinds"] = kinds
+                row["cxx_compiled"] = ours.compiled_now
+                row["plan"] = str(ours.plan)
+                bad = check(out, ref, tol)
+                row["status"]["ours"] = bad or "ok"
+                if bad is None:
+                    callables["ours"] = ours
+            except Exception as exc:
+                row["status"]["ours"] = "error: " + short_error(exc)
+                traceback.print_exc()
+            finally:
+                if old_cache is None:
+                    os.environ.pop("EGC_CACHE_DIR", None)
+                else:
+                    os.environ["EGC_CACHE_DIR"] = old_cache
+
+    # -- warm up, and pick each variant's block size from the warm-up timing
+    order = [v for v in VARIANTS if v in callables]
+    for v in order:
+        f = callables[v]
+        for _ in range(args.warmup):
+            f(*inputs)
+        sync(device)
+        # block size from the fastest of a few single calls (robust to a preempted call)
+        per_call = min(time_block(f, inputs, 1, device) for _ in range(5))
+        row["inner"][v] = max(1, min(args.max_inner, int(args.block_ms / 1e3 / max(per_call, 1e-9))))
+        row["rounds_ms"][v] = []
+
+    # -- interleaved rounds (order rotates each round)
+    for r in range(args.reps):
+        shift = r % len(order)
+        for v in order[shift:] + order[:shift]:
+            row["rounds_ms"][v].append(1e3 * time_block(callables[v], inputs, row["inner"][v], device))
+
+    for v in order:
+        times = row["rounds_ms"][v]
+        row["ms"][v] = statistics.median(times)
+        q = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3
+        row.setdefault("spread", {})[v] = {"min": min(times), "p25": q[0], "p75": q[2], "max": max(times)}
+    eager, ind, ours_ms = (row["ms"].get(v) for v in VARIANTS)
+    row["speedup_vs_inductor"] = ind / ours_ms if ind and ours_ms else None
+    row["speedup_vs_eager"] = eager / ours_ms if eager and ours_ms else None
+    row["inductor_vs_eager"] = eager / ind if eager and ind else None
+    torch._dynamo.reset()
+    return row
+
+
+# --------------------------------------------------------------------------- output
+
+def cell_ms(row, v) -> str:
+    if v in row["ms"]:
+        return f"{row['ms'][v]:.3f}"
+    status = row["status"].get(v, "")
+    if status.startswith("n/a"):
+        return "n/a"
+    if status.startswith("mismatch"):
+        return "FAILED check"
+    return "ERROR" if status else "-"
+
+
+def fmt_x(x) -> str:
+    return f"{x:.2f}x" if x is not None else "-"
+
+
+def fmt_s(x) -> str:
+    return f"{x:.1f}" if x is not None else "-"
+
+
+def kernels_cell(row) -> str:
+    if "kernels" not in row:
+        return "n/a" if row["status"].get("ours", "").startswith("n/a") else "-"
+    kinds = row["kernel_kinds"]
+    short = {"generated": "gen", "library": "lib", "aten": "aten"}
+    detail = ", ".join(f"{n} {short.get(k, k)}" for k, n in sorted(kinds.items()))
+    return f"{row['kernels']}" + (f" ({detail})" if detail else "")
+
+
+def markdown_table(rows) -> str:
+    head = ("| workload | eager ms | inductor ms | ours ms | ours/inductor speedup | ours/eager speedup "
+            "| ours kernels | compile s (inductor, ours) |")
+    lines = [head, "|" + "---|" * 8]
+    for row in rows:
+        comp = f"{fmt_s(row['compile_s'].get('inductor'))}, {fmt_s(row['compile_s'].get('ours'))}"
+        lines.append(f"| {row['workload']} | {cell_ms(row, 'eager')} | {cell_ms(row, 'inductor')} | "
+                     f"{cell_ms(row, 'ours')} | {fmt_x(row.get('speedup_vs_inductor'))} | "
+                     f"{fmt_x(row.get('speedup_vs_eager'))} | {kernels_cell(row)} | {comp} |")
+    gi = geomean([r.get("speedup_vs_inductor") for r in rows])
+    ge = geomean([r.get("speedup_vs_eager") for r in rows])
+    n = sum(1 for r in rows if r.get("speedup_vs_inductor"))
+    lines.append(f"| **geomean** | | | | **{fmt_x(gi)}** | **{fmt_x(ge)}** | | |")
+    lines.append("")
+    lines.append(f"speedup = baseline ms / ours ms (>1: ours faster); geometric mean over the {n} workload(s) "
+                 "where both times exist.")
+    return "\n".join(lines)
+
+
+def problems(rows) -> list[str]:
+    out = []
+    for row in rows:
+        for v, status in row["status"].items():
+            if status != "ok":
+                out.append(f"{row['workload']} / {v}: {status}")
+    return out
+
+
+def environment(args) -> dict:
+    env = {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "processor": platform.processor(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "device": args.device,
+        "dtype": args.dtype,
+        "size": args.size,
+        "reps": args.reps,
+        "warmup": args.warmup,
+        "block_ms": args.block_ms,
+        "command": " ".join([os.path.basename(sys.executable), "-m", "benchmarks.run", *sys.argv[1:]]),
+    }
+    if args.device == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(0)
+        env["cuda"] = torch.version.cuda
+    return env
+
+
+def prewarm(device: str) -> dict:
+    """Pay each compiler's one-time, per-process start-up (imports, rule
+    library parsing, Inductor's codecache set-up) on a tiny unrelated
+    function, so a workload's compile time is its own and does not depend on
+    where it comes in the list."""
+    x = torch.randn(8, 8, device=device)
+    tiny = lambda t: t * 2.0 + 1.0  # noqa: E731
+    out = {}
+    torch._dynamo.reset()
+    t0 = time.perf_counter()
+    torch.compile(tiny)(x)
+    sync(device)
+    out["inductor"] = time.perf_counter() - t0
+    torch._dynamo.reset()
+    if device == "cpu":
+        with tempfile.TemporaryDirectory(prefix="bench_egc_") as cache:
+            old = os.environ.get("EGC_CACHE_DIR")
+            os.environ["EGC_CACHE_DIR"] = cache
+            try:
+                t0 = time.perf_counter()
+                egc.compile(tiny, (x,))(x)
+                out["ours"] = time.perf_counter() - t0
+            except Exception as exc:
+                out["ours"] = "error: " + short_error(exc)
+            finally:
+                if old is None:
+                    os.environ.pop("EGC_CACHE_DIR", None)
+                else:
+                    os.environ["EGC_CACHE_DIR"] = old
+    return out
+
+
+def loadavg() -> list[float] | None:
+    try:
+        return list(os.getloadavg())
+    except OSError:
+        return None
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n\n")[0])
+    p.add_argument("--size", default="cpu", choices=["test", "cpu", "gpu"])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--workloads", default=",".join(workloads.NAMES),
+                   help="comma-separated subset of: " + ", ".join(workloads.NAMES))
+    p.add_argument("--reps", type=int, default=50, help="interleaved timing rounds (median over these)")
+    p.add_argument("--warmup", type=int, default=5, help="warm-up calls per variant before timing")
+    p.add_argument("--block-ms", type=float, default=5.0,
+                   help="target duration of one timed block of back-to-back calls")
+    p.add_argument("--max-inner", type=int, default=1000, help="cap on calls per timed block")
+    p.add_argument("--json", default=None, help="write the raw numbers here")
+    args = p.parse_args(argv)
+
+    names = [n.strip() for n in args.workloads.split(",") if n.strip()]
+    unknown = [n for n in names if n not in workloads.NAMES]
+    if unknown:
+        p.error(f"unknown workload(s) {unknown}; known: {', '.join(workloads.NAMES)}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda but torch.cuda.is_available() is False")
+    if args.device == "cuda":
+        print("note: egc.compile supports only target='cpu' at present; "
+              "'ours' is reported as n/a on CUDA.", file=sys.stderr)
+
+    env = environment(args)
+    env["loadavg_start"] = loadavg()
+    print("[bench] pre-warming both compilers ...", file=sys.stderr, flush=True)
+    env["prewarm_s"] = prewarm(args.device)
+    rows = []
+    for name in names:
+        print(f"[bench] {name} ...", file=sys.stderr, flush=True)
+        rows.append(bench_workload(name, args))
+        r = rows[-1]
+        print(f"[bench] {name}: " + ", ".join(
+            f"{v}={r['ms'][v]:.3f}ms [p25 {r['spread'][v]['p25']:.3f}, p75 {r['spread'][v]['p75']:.3f}]"
+            for v in r["ms"])
+              + " | compile " + ", ".join(f"{v}={s:.1f}s" for v, s in r["compile_s"].items()),
+              file=sys.stderr, flush=True)
+
+    env["loadavg_end"] = loadavg()
+    print(f"\n## {args.size} size, {args.device}, {args.dtype} "
+          f"(torch {env['torch']}, {env['cpu_count']} CPUs, {env['torch_threads']} torch threads)\n")
+    print(markdown_table(rows))
+    issues = problems(rows)
+    if issues:
+        print("\nproblems:")
+        for line in issues:
+            print("  - " + line)
+
+    if args.json:
+        summary = {
+            "geomean_speedup_vs_inductor": geomean([r.get("speedup_vs_inductor") for r in rows]),
+            "geomean_speedup_vs_eager": geomean([r.get("speedup_vs_eager") for r in rows]),
+        }
+        with open(args.json, "w") as fh:
+            json.dump({"environment": env, "summary": summary, "rows": rows}, fh, indent=2)
+        print(f"\nraw numbers written to {args.json}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,10 @@
+import os
+
+import pytest
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _private_cache(tmp_path_factory):
+    """Tests compile into their own C++ cache, so a run never reads a stale one."""
+    os.environ["EGC_CACHE_DIR"] = str(tmp_path_factory.mktemp("egc-cache"))
+    yield

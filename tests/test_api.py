@@ -1,0 +1,130 @@
+"""The public API: caching, explain, debug output, limits, input errors,
+modules, the torch.compile backend, the CLI and the examples."""
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from typer.testing import CliRunner
+
+import egraph_compiler as egc
+from egraph_compiler import workloads
+from egraph_compiler.cli import app
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def pointwise(x, y):
+    return torch.tanh(x * y + 1.5) - y
+
+
+def test_second_compile_hits_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("EGC_CACHE_DIR", str(tmp_path))
+    x, y = torch.randn(16, 8), torch.randn(8)
+    first = egc.compile(pointwise, [x, y])
+    second = egc.compile(pointwise, [x, y])
+    assert first.compiled_now and not second.compiled_now
+    assert first.source == second.source
+    assert len(list(tmp_path.glob("*.so"))) == 1
+    torch.testing.assert_close(second(x, y), pointwise(x, y))
+
+
+def test_explain_returns_every_level():
+    fn, inputs = workloads.make("softmax", "test")
+    levels = egc.explain(fn, inputs)
+    assert "aten.amax" in levels.aten
+    assert "amax(x, dims=[-1], keepdim=True)" in levels.graph
+    assert "saturation: saturated" in levels.egraph
+    assert "plan:" in levels.plan
+    assert "kernel k0" in levels.loops and "#pragma omp" in levels.source
+    assert "=== loop IR ===" in str(levels)
+
+
+def test_debug_env_prints_levels(monkeypatch, capsys):
+    monkeypatch.setenv("EGC_DEBUG", "1")
+    egc.compile(pointwise, [torch.randn(4, 4), torch.randn(4)])
+    err = capsys.readouterr().err
+    assert "=== Graph IR ===" in err and "=== source ===" in err
+
+
+@pytest.mark.parametrize("limits, reason", [
+    (dict(iter_limit=1), "iteration limit"),
+    (dict(node_limit=3), "node limit"),
+    (dict(time_limit=0.0), "time limit"),
+])
+def test_saturation_limits_give_a_stop_reason_and_a_correct_plan(limits, reason):
+    fn, inputs = workloads.make("algebra", "test")
+    compiled = egc.compile(fn, inputs, unsafe=True, **limits)
+    assert compiled.report.stop_reason == reason
+    torch.testing.assert_close(compiled(*inputs), fn(*inputs))
+
+
+def test_report_counts_rule_matches():
+    fn, inputs = workloads.make("algebra", "test")
+    report = egc.compile(fn, inputs, unsafe=True).report
+    assert report.matches["mul_one"] >= 1 and report.enodes > 0 and report.iterations >= 1
+    assert "rules fired:" in str(report)
+
+
+@pytest.mark.parametrize("args, message", [
+    ((torch.randn(4, 4),), "expected 2 tensor argument"),
+    ((torch.randn(4, 4), 3.0), "must be a torch.Tensor"),
+    ((torch.randn(5, 4), torch.randn(4)), "compiled for float32[4, 4], got float32[5, 4]"),
+    ((torch.randn(4, 4, dtype=torch.float64), torch.randn(4)), "got float64[4, 4]"),
+])
+def test_mismatched_inputs_raise_a_clear_error(args, message):
+    compiled = egc.compile(pointwise, [torch.randn(4, 4), torch.randn(4)])
+    with pytest.raises(egc.InputError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        compiled(*args)
+
+
+def test_outputs_never_alias_inputs():
+    fn, inputs = workloads.make("algebra", "test")
+    out = egc.compile(fn, inputs, unsafe=True)(*inputs)
+    assert out.data_ptr() != inputs[0].data_ptr()
+
+
+def test_module_with_parameters_uses_live_weights():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    x = torch.randn(5, 8)
+    compiled = egc.compile(model, [x])
+    torch.testing.assert_close(compiled(x), model(x).detach())
+    with torch.no_grad():
+        model[0].weight.mul_(2.0)
+    torch.testing.assert_close(compiled(x), model(x).detach())
+
+
+def test_torch_compile_backend():
+    def block(x, w):
+        return torch.relu(F.layer_norm(x, (8,), w, None)) * 2.0
+    x, w = torch.randn(4, 8), torch.randn(8)
+    torch._dynamo.reset()
+    compiled = torch.compile(block, backend="egraph")
+    torch.testing.assert_close(compiled(x, w), block(x, w))
+
+
+def test_example_runs_and_matches_eager():
+    spec = importlib.util.spec_from_file_location("mlp_example", ROOT / "examples" / "mlp.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main() == 0
+
+
+def test_cli_rules_and_explain(tmp_path):
+    runner = CliRunner()
+    listed = runner.invoke(app, ["rules", "list"])
+    assert listed.exit_code == 0 and "exp_log [unsafe]" in listed.output
+    assert runner.invoke(app, ["rules", "check"]).exit_code == 0
+    bad = tmp_path / "bad.rules"
+    bad.write_text("rule broken: mul(x, => x\n")
+    result = runner.invoke(app, ["rules", "check", str(bad)])
+    assert result.exit_code == 1 and "bad.rules:1:21" in result.output
+    explained = runner.invoke(app, ["explain", "algebra", "--unsafe", "--level", "plan"])
+    assert explained.exit_code == 0 and "0 kernel(s)" in explained.output
+
+
+def test_unknown_target_is_refused():
+    with pytest.raises(egc.EgraphCompilerError, match="target 'tpu'"):
+        egc.compile(pointwise, [torch.randn(2, 2), torch.randn(2)], target="tpu")

@@ -1,0 +1,91 @@
+"""The rules language: parsing, checking, errors a user can act on, and rules
+from the API changing the plan."""
+import pytest
+import torch
+
+import egraph_compiler as egc
+from egraph_compiler.dsl.library import check_unique, library_rules
+from egraph_compiler.dsl.parser import parse_rules
+
+
+def error_of(text):
+    with pytest.raises(egc.RuleError) as info:
+        check_unique(parse_rules(text, "user.rules"))
+    return str(info.value)
+
+
+def test_library_parses_with_named_commented_rules():
+    rules = library_rules()
+    names = {r.name for r in rules}
+    assert {"mul_one", "add_zero", "transpose_transpose", "exp_log"} <= names
+    assert [r.name for r in rules if r.unsafe] == ["exp_log"]
+
+
+def test_rule_parts():
+    (rule,) = parse_rules("rule r: sum(x, dims=[-1], keepdim=true) <=> sum(x, [-1], true)  # both ways\n")
+    assert rule.both_ways and rule.lhs.op == "sum" and rule.group == "user"
+
+
+def test_bindings_and_conditions():
+    (rule,) = parse_rules("unsafe rule r: exp(log(e)) => e where e = add(x, 1) if x > 0\n")
+    assert rule.unsafe and rule.lhs.args[0].args[0].op == "add"
+    assert rule.conditions[0].is_assumption
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("rule r: mul(x, => x\n", "user.rules:1:16: unexpected '=>'; expected"),
+    ("rule r mul(x, 1) => x\n", "user.rules:1:8: unexpected 'mul'; expected"),
+    ("rule r: frob(x) => x\n", "user.rules:1:9: unknown op 'frob'"),
+    ("rule r: exp(x, y) => x\n", "user.rules:1:9: exp takes 1 tensor operand(s)"),
+    ("rule r: mul(x, y) => z\n", "user.rules:1:22: variable 'z' is used on the right but not bound"),
+    ("rule r: mul(x, y) => x if w > 0\n", "user.rules:1:27: condition on unknown variable 'w'"),
+    ("rule r: mul(x, 1) => x\nrule r: add(x, 0) => x\n", "user.rules:2:6: duplicate rule name 'r'"),
+    ("rule r: sum(x, 1.5, true) => x\n", "user.rules:1:16: expected ints, got the number 1.5"),
+    ("rule r: transpose(x, a, b) => mul(a, x)\n", "variable 'a' is used as int and as tensor"),
+    ("rule r: sum(x, [-1], true, axis=3) => x\n", "sum has no attribute 'axis'"),
+])
+def test_errors_name_file_line_column_and_what_was_expected(text, expected):
+    message = error_of(text)
+    assert expected in message
+    assert "^" in message  # a caret line under the source
+
+
+def test_user_rule_changes_the_plan():
+    def twice_relu(x):
+        return torch.relu(torch.relu(x))
+    x = torch.randn(8, 8)
+    plain = egc.compile(twice_relu, [x])
+    assert plain.plan.count("relu") == 2
+    ruled = egc.compile(twice_relu, [x], rules=["rule relu_idempotent: relu(relu(x)) => relu(x)\n"])
+    assert ruled.plan.count("relu") == 1 and ruled.plan.rules_fired["relu_idempotent"] >= 1
+    torch.testing.assert_close(ruled(x), twice_relu(x))
+
+
+def test_user_rule_file_by_path(tmp_path):
+    path = tmp_path / "mine.rules"
+    path.write_text("rule neg_sub: neg(sub(a, b)) => sub(b, a)   # -(a - b) = b - a\n")
+    f = lambda a, b: -(a - b)  # noqa: E731
+    a, b = torch.randn(4), torch.randn(4)
+    compiled = egc.compile(f, [a, b], rules=[path])
+    assert compiled.plan.count("neg") == 0
+    torch.testing.assert_close(compiled(a, b), f(a, b))
+
+
+def test_disable_by_rule_and_group():
+    f = lambda x: x * 1.0  # noqa: E731
+    x = torch.randn(4, 4)
+    assert egc.compile(f, [x]).plan.count("mul") == 0
+    assert egc.compile(f, [x], disable=["mul_one"]).plan.count("mul") == 1
+    assert egc.compile(f, [x], disable=["algebra"]).plan.count("mul") == 1
+
+
+def test_unsafe_by_name():
+    f = lambda x: torch.exp(torch.log(x))  # noqa: E731
+    x = torch.rand(4, 4) + 0.5
+    assert egc.compile(f, [x]).plan.count("exp") == 1
+    assert egc.compile(f, [x], unsafe=["exp_log"]).plan.count("exp") == 0
+
+
+def test_bad_user_rule_text_through_the_api():
+    with pytest.raises(egc.RuleError, match=r"<rules 0>:1:\d+"):
+        egc.compile(torch.relu, [torch.randn(2)], rules=["rule oops: relu(x => x\n"])

@@ -1,0 +1,44 @@
+"""The seven anchor workloads, compiled end to end and checked against eager."""
+import pytest
+import torch
+
+import egraph_compiler as egc
+from egraph_compiler import workloads
+from egraph_compiler.plan import check_plan
+
+
+@pytest.mark.parametrize("name", workloads.NAMES)
+def test_workload_matches_eager(name):
+    fn, inputs = workloads.make(name, "test")
+    compiled = egc.compile(fn, inputs, unsafe=(name == "algebra"))
+    check_plan(compiled.plan)
+    torch.testing.assert_close(compiled(*inputs), fn(*inputs), atol=1e-4, rtol=1e-4)
+    assert compiled.report.stop_reason == "saturated"
+    assert not compiled.plan.fallbacks
+
+
+def test_algebra_plan_leaves_nothing_to_simplify():
+    fn, inputs = workloads.make("algebra", "test")
+    plan = egc.compile(fn, inputs, unsafe=True).plan
+    for op in ("exp", "log", "transpose", "mul", "add"):
+        assert plan.count(op) == 0, str(plan)
+    assert plan.kernels == []
+    assert plan.rules_fired["exp_log"] >= 1 and plan.rules_fired["transpose_transpose"] >= 1
+
+
+def test_algebra_keeps_exp_log_without_unsafe_rules():
+    fn, inputs = workloads.make("algebra", "test")
+    compiled = egc.compile(fn, inputs)
+    assert compiled.plan.count("exp") == 1 and compiled.plan.count("log") == 1
+    assert compiled.plan.count("transpose") == 0 and compiled.plan.count("mul") == 0
+    assert "exp_log" not in compiled.plan.rules_fired
+    torch.testing.assert_close(compiled(*inputs), fn(*inputs))
+
+
+def test_gpt_block_plan_shape():
+    fn, inputs = workloads.make("gpt_block", "test")
+    plan = egc.compile(fn, inputs).plan
+    assert plan.count("matmul") == 6 and plan.count("layer_norm") == 2
+    library = [k for k in plan.kernels if k.kind == "library"]
+    assert len(library) == 6
+    assert all(k.seconds > 0 and k.bytes > 0 for k in plan.kernels)
