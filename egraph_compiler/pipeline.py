@@ -19,6 +19,7 @@ from .cost import PROFILES
 from .dsl.library import check_unique, library_rules, load_user_rules, select
 from .egraph import encode, extract, saturate
 from .egraph.egg import EgglogSession
+from .egraph.facts import FactFeeder, needs_facts
 from .errors import EgraphCompilerError, UnsupportedOpError
 from .graph import Graph
 from .lower import lower_kernel
@@ -78,7 +79,8 @@ def run_pipeline(fn, example_inputs, options: Options):
     saturate.install_rules(session, rules)
     schedule = [list(dict.fromkeys(r.group for r in rules))]
     limits = saturate.Limits(options.iter_limit, options.node_limit, options.time_limit)
-    report = saturate.saturate(session, schedule, limits)
+    feeder = FactFeeder(session, graph) if needs_facts(rules) else None
+    report = saturate.saturate(session, schedule, limits, feeder)
     levels.egraph = str(report)
 
     profile = PROFILES[options.profile or options.target]

@@ -37,15 +37,41 @@ class Pat:
 
 
 @dataclass(frozen=True)
+class Arith:
+    """Arithmetic on attribute or constant values, computed when the rule fires."""
+    op: str  # + - * /
+    left: object
+    right: object
+    sort: str  # int or float
+
+
+@dataclass(frozen=True)
+class Query:
+    """A fact about a tensor variable's e-class: size(x, d), rank(x) or dtype(x)."""
+    kind: str
+    var: Var
+    dim: int = 0
+
+    @property
+    def sort(self) -> str:
+        return "str" if self.kind == "dtype" else "int"
+
+
+@dataclass(frozen=True)
 class Condition:
     """`left op right`; a tensor variable against a number is a domain assumption."""
-    left: object
+    left: object  # Var or Query
     op: str
     right: tuple  # one term, or several for `in`
 
     @property
     def is_assumption(self) -> bool:
         return isinstance(self.left, Var) and self.left.sort == "tensor"
+
+
+DTYPE_NAMES = {"f16": "float16", "bf16": "bfloat16", "f32": "float32", "f64": "float64", "i64": "int64",
+               "i32": "int32", "b8": "bool", "float16": "float16", "bfloat16": "bfloat16", "float32": "float32",
+               "float64": "float64", "int64": "int64", "int32": "int32", "bool": "bool"}
 
 
 @dataclass
@@ -79,6 +105,9 @@ def collect_vars(term, out=None) -> dict[str, str]:
     elif isinstance(term, tuple):
         for a in term:
             collect_vars(a, out)
+    elif isinstance(term, Arith):
+        collect_vars(term.left, out)
+        collect_vars(term.right, out)
     return out
 
 
@@ -116,10 +145,6 @@ def parse_rules(text: str, path: str = "<rules>", group: str | None = None) -> l
 def parse_file(path) -> list[Rule]:
     path = Path(path)
     return parse_rules(path.read_text(), str(path))
-
-
-def _line(lines, n):
-    return lines[n - 1] if 0 < n <= len(lines) else ""
 
 
 class _Checker:
@@ -203,7 +228,20 @@ class _Checker:
             return Lit(items, "ints") if all(isinstance(i, Lit) for i in items) else items
         if kind == "call":
             return self.call(tree, sort, sorts, bindings, bind)
+        if kind == "arith":
+            return self.arith(tree, sort, sorts, bindings, bind)
         self.error(f"unexpected {kind}", tree.meta)
+
+    def arith(self, tree, sort, sorts, bindings, bind):
+        if bind:
+            self.error("arithmetic is computed on the right-hand side only; bind values with const(c)", tree.meta)
+        if sort == "tensor":  # a computed scalar constant
+            return Pat("const", (self.arith(tree, "float", sorts, bindings, bind),))
+        if sort not in ("int", "float"):
+            self.error(f"expected {sort}, got arithmetic", tree.meta)
+        left, op, right = tree.children
+        return Arith(str(op), self.term(left, sort, sorts, bindings, bind), self.term(right, sort, sorts, bindings,
+                                                                                      bind), sort)
 
     def number(self, tree, sort):
         text = str(tree.children[0])
@@ -225,8 +263,6 @@ class _Checker:
         if sort != "tensor":
             self.error(f"expected {sort}, got a call of {op}", tree.meta)
         opdef = ops.OPS[op]
-        if op == "const":
-            self.error("write scalar constants as plain numbers", tree.meta)
         positional = [a for a in args if a.data != "keyword"]
         keywords = {str(a.children[0]): a for a in args if a.data == "keyword"}
         slots = ["tensor"] * opdef.arity + [kind for _, kind in opdef.attrs]
@@ -251,31 +287,53 @@ class _Checker:
     def conditions(self, tree, sorts) -> list[Condition]:
         out = []
         for comp in tree.children:
-            left_tree = comp.children[0]
-            left = self._cond_operand(left_tree, sorts)
-            sort = left.sort if isinstance(left, (Var, Lit)) else "float"
+            left = self._cond_operand(comp.children[0], sorts)
             if comp.data == "membership":
-                right = tuple(self._cond_literal(t, sort) for t in comp.children[1:])
+                right = tuple(self._cond_value(t, left, sorts) for t in comp.children[1:])
                 out.append(Condition(left, "in", right))
             else:
-                op = str(comp.children[1])
-                right = self._cond_literal(comp.children[2], "float" if sort == "tensor" else sort)
-                out.append(Condition(left, op, (right,)))
+                right = self._cond_value(comp.children[2], left, sorts)
+                out.append(Condition(left, str(comp.children[1]), (right,)))
         return out
 
     def _cond_operand(self, tree, sorts):
+        if tree.data == "call" and str(tree.children[0]) in ("size", "rank", "dtype"):
+            kind, args = str(tree.children[0]), [a for a in tree.children[1:] if a is not None]
+            if len(args) != (2 if kind == "size" else 1) or args[0].data != "var":
+                self.error(f"write {kind}(x{', dim' if kind == 'size' else ''}) with a tensor variable x", tree.meta)
+            var = self._cond_operand(args[0], sorts)
+            if var.sort != "tensor":
+                self.error(f"{kind}() takes a tensor variable; {var.name!r} is {var.sort}", tree.meta)
+            dim = self.number(args[1], "int") if kind == "size" else 0
+            return Query(kind, var, dim)
         if tree.data != "var":
-            self.error("a condition starts with a variable", tree.meta)
+            self.error("a condition starts with a variable, size(x, d), rank(x) or dtype(x)", tree.meta)
         name = str(tree.children[0])
         if name not in sorts:
             self.error(f"condition on unknown variable {name!r}", tree.meta)
         return Var(name, sorts[name])
 
-    def _cond_literal(self, tree, sort):
+    def _cond_value(self, tree, left, sorts):
+        sort = "float" if left.sort == "tensor" else left.sort
+        if isinstance(left, Query) and left.kind == "dtype":
+            name = str(tree.children[0]) if tree.data in ("var", "string") else ""
+            name = name.strip('"')
+            if name not in DTYPE_NAMES:
+                self.error(f"expected a dtype name ({', '.join(sorted(DTYPE_NAMES))})", tree.meta)
+            return Lit(DTYPE_NAMES[name], "str")
+        if tree.data == "var":
+            var = self._cond_operand(tree, sorts)
+            if var.sort != sort:
+                self.error(f"cannot compare {sort} with {var.name!r} ({var.sort})", tree.meta)
+            return var
         if tree.data == "number":
-            return Lit(self.number(tree, "float" if sort == "tensor" else sort), sort)
+            return Lit(self.number(tree, sort), sort)
         if tree.data == "boolean":
             return Lit(str(tree.children[0]) == "true", "bool")
         if tree.data == "string":
             return Lit(str(tree.children[0])[1:-1], "str")
-        self.error("a condition compares with a constant", tree.meta)
+        self.error("a condition compares with a constant or a variable", tree.meta)
+
+
+def _line(lines, n):
+    return lines[n - 1] if 0 < n <= len(lines) else ""

@@ -12,7 +12,7 @@ import json
 import math
 
 from .. import ops
-from ..dsl.parser import Condition, Lit, Pat, Rule, Var
+from ..dsl.parser import Arith, Condition, Lit, Pat, Query, Rule, Var
 from ..graph import Graph, Node, topo_order
 
 SORTS = {"int": "i64", "float": "f64", "bool": "bool", "str": "String", "ints": "Ints"}
@@ -34,6 +34,10 @@ def declarations() -> str:
         lines.append(f"(constructor {ctor(opdef.name)} ({' '.join(sorts)}) T)")
     lines.append("(datatype TList (TNil) (TCons T TList))")
     lines.append("(constructor Extern (String TList) T)")
+    # per-class facts, fed from the op table's shape rules between iterations (see facts.py)
+    lines.append("(function dim-size (T i64) i64 :merge old)")
+    lines.append("(function rank-of (T) i64 :merge old)")
+    lines.append("(function dtype-of (T) String :merge old)")
     return "\n".join(lines)
 
 
@@ -72,15 +76,25 @@ def encode_graph(graph: Graph) -> tuple[str, dict[int, str]]:
 
 
 def _node_term(node: Node, names) -> str:
-    if node.op == "extern":
+    return term_text(node.op, [names[id(a)] for a in node.args], node.a)
+
+
+def term_text(op: str, operands: list[str], attrs: dict) -> str:
+    """One e-node as egglog text, its operands already named."""
+    if op == "extern":
         items = "(TNil)"
-        for a in reversed(node.args):
-            items = f"(TCons {names[id(a)]} {items})"
-        return f"(Extern {literal(str(node.attr('target')), 'str')} {items})"
-    opdef = ops.get(node.op)
-    parts = [names[id(a)] for a in node.args]
-    parts += [literal(node.attr(name), kind) for name, kind in opdef.attrs]
-    return f"({ctor(node.op)}{''.join(' ' + p for p in parts)})"
+        for a in reversed(operands):
+            items = f"(TCons {a} {items})"
+        return f"(Extern {literal(str(attrs['target']), 'str')} {items})"
+    parts = operands + [literal(attrs[name], kind) for name, kind in ops.get(op).attrs]
+    return f"({ctor(op)}{''.join(' ' + p for p in parts)})"
+
+
+def facts_text(name: str, shape, dtype: str) -> str:
+    """Shape and dtype facts for one e-class (dims are indexed negatively)."""
+    lines = [f"(set (rank-of {name}) {len(shape)})", f"(set (dtype-of {name}) {json.dumps(dtype)})"]
+    lines += [f"(set (dim-size {name} {d - len(shape)}) {n})" for d, n in enumerate(shape)]
+    return "\n".join(lines)
 
 
 # ---- rules ----
@@ -92,7 +106,7 @@ def rule_commands(rule: Rule) -> list[str]:
         if cond.is_assumption:
             continue  # a declared domain: checked by `verify`, not at match time
         if cond.op == "in":
-            options = [g + [f"(= {pattern(cond.left)} {literal(r.value, r.sort)})"] for g in options for r in cond.right]
+            options = [g + [_guard(Condition(cond.left, "==", (r,)))] for g in options for r in cond.right]
         else:
             options = [g + [_guard(cond)] for g in options]
     out = []
@@ -118,6 +132,12 @@ def pattern(term) -> str:
         return "v_" + term.name
     if isinstance(term, Lit):
         return f"(Const {literal(term.value, 'float')})" if term.sort == "tensor" else literal(term.value, term.sort)
+    if isinstance(term, Arith):
+        return f"({term.op} {pattern(term.left)} {pattern(term.right)})"
+    if isinstance(term, Query):
+        if term.kind == "size":
+            return f"(dim-size {pattern(term.var)} {term.dim})"
+        return f"({'rank-of' if term.kind == 'rank' else 'dtype-of'} {pattern(term.var)})"
     if isinstance(term, tuple):  # a list attribute holding variables
         out = "(INil)"
         for item in reversed(term):
@@ -131,4 +151,4 @@ def _guard(cond: Condition) -> str:
     left = pattern(cond.left)
     op = {"==": "="}.get(cond.op, cond.op)
     (right,) = cond.right
-    return f"({op} {left} {literal(right.value, right.sort if right.sort != 'tensor' else 'float')})"
+    return f"({op} {left} {pattern(right) if not isinstance(right, Lit) else literal(right.value, right.sort)})"

@@ -100,6 +100,13 @@ def load(data: dict, graph: Graph) -> EClassGraph:
 
 def analyse(eg: EClassGraph, graph: Graph, profile: DeviceProfile) -> None:
     """Fill per-class shape/dtype and per-node cost; flag unsound merges."""
+    infer_types(eg, graph)
+    assign_costs(eg, profile)
+
+
+def infer_types(eg: EClassGraph, graph: Graph) -> None:
+    """Per-class shape and dtype by fixpoint; two e-nodes of a class that
+    disagree raise UnsoundRuleError."""
     inputs = {n.attr("name"): n for n in graph.inputs}
     changed = True
     while changed:
@@ -121,6 +128,9 @@ def analyse(eg: EClassGraph, graph: Graph, profile: DeviceProfile) -> None:
                     raise UnsoundRuleError(
                         f"a rule merged terms of different types: {en.op} gives {dtype}{list(shape)} but its "
                         f"e-class holds {eg.dtype[class_id]}{list(known)}; check the rules that rewrite {en.op}")
+
+
+def assign_costs(eg: EClassGraph, profile: DeviceProfile) -> None:
     for class_id, enodes in eg.classes.items():
         for en in enodes:
             if class_id in eg.shape and all(c in eg.shape for c in en.children):

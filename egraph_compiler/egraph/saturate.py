@@ -47,15 +47,19 @@ def install_rules(session: EgglogSession, rules: list[Rule]) -> None:
     session.run("\n".join(cmd for r in rules for cmd in rule_commands(r)))
 
 
-def saturate(session: EgglogSession, schedule: list[list[str]], limits: Limits) -> Report:
+def saturate(session: EgglogSession, schedule: list[list[str]], limits: Limits, feeder=None) -> Report:
+    """Run the schedule.  `feeder` (a FactFeeder), when rules have shape
+    conditions, gives new e-classes their facts after each iteration."""
     report = Report()
     start = time.perf_counter()
+    if feeder is not None:
+        feeder.feed()
     for number, groups in enumerate(schedule):
         if not groups:
             continue
         phase = f"phase{number}"
         session.run(f"(unstable-combined-ruleset {phase} {' '.join(ruleset_name(g) for g in groups)})")
-        reason, count = _run_phase(session, phase, limits, report, start)
+        reason, count = _run_phase(session, phase, limits, report, start, feeder)
         report.phases.append(("+".join(groups), reason, count))
         if reason != SATURATED:
             report.stop_reason = reason
@@ -65,7 +69,7 @@ def saturate(session: EgglogSession, schedule: list[list[str]], limits: Limits) 
     return report
 
 
-def _run_phase(session, phase, limits, report, start) -> tuple[str, int]:
+def _run_phase(session, phase, limits, report, start, feeder) -> tuple[str, int]:
     count = 0
     while True:
         if report.iterations >= limits.iter_limit:
@@ -77,7 +81,8 @@ def _run_phase(session, phase, limits, report, start) -> tuple[str, int]:
         count += 1
         for name, n in result.matches.items():
             report.matches[name.split("#")[0].removesuffix(".reverse")] += n
-        if not result.updated:
+        new_facts = feeder.feed() if feeder is not None and result.updated else 0
+        if not result.updated and not new_facts:
             return SATURATED, count
         if session.size() >= limits.node_limit:
             return NODE_LIMIT, count
