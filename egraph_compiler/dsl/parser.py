@@ -225,7 +225,7 @@ class _Checker:
             if sort != "ints":
                 self.error(f"expected {sort}, got a list", tree.meta)
             items = tuple(self.term(c, "int", sorts, bindings, bind) for c in tree.children if c is not None)
-            return Lit(items, "ints") if all(isinstance(i, Lit) for i in items) else items
+            return Lit(tuple(i.value for i in items), "ints") if all(isinstance(i, Lit) for i in items) else items
         if kind == "call":
             return self.call(tree, sort, sorts, bindings, bind)
         if kind == "arith":
@@ -321,10 +321,10 @@ class _Checker:
             if name not in DTYPE_NAMES:
                 self.error(f"expected a dtype name ({', '.join(sorted(DTYPE_NAMES))})", tree.meta)
             return Lit(DTYPE_NAMES[name], "str")
-        if tree.data == "var":
+        if tree.data in ("var", "call"):
             var = self._cond_operand(tree, sorts)
             if var.sort != sort:
-                self.error(f"cannot compare {sort} with {var.name!r} ({var.sort})", tree.meta)
+                self.error(f"cannot compare {sort} with {getattr(var, 'name', var.kind)!r} ({var.sort})", tree.meta)
             return var
         if tree.data == "number":
             return Lit(self.number(tree, sort), sort)

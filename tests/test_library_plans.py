@@ -1,0 +1,83 @@
+"""What the rule library finds: composites recognised in hand-written code,
+attention recognised as one sdpa call, and saturation within its limits."""
+import math
+
+import torch
+import torch.nn.functional as F
+
+import egraph_compiler as egc
+from egraph_compiler import workloads
+
+
+def compiled_workload(name, **kwargs):
+    fn, inputs = workloads.make(name, "test")
+    compiled = egc.compile(fn, inputs, **kwargs)
+    torch.testing.assert_close(compiled(*inputs), fn(*inputs), atol=1e-4, rtol=1e-4)
+    return compiled
+
+
+def test_naive_attention_extracts_to_one_sdpa_call():
+    plan = compiled_workload("attention").plan
+    assert plan.ops() == {"sdpa": 1}, str(plan)
+    assert len(plan.kernels) == 1 and plan.kernels[0].kind == "library"
+
+
+def test_attention_with_scale_on_q_and_additive_mask():
+    def scaled_q(q, k, v):
+        return torch.softmax((q * 0.25) @ k.transpose(-2, -1), dim=-1) @ v
+
+    def masked(q, k, v, m):
+        return torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]) + m, dim=-1) @ v
+    q, k, v = (torch.randn(2, 3, 8, 16) for _ in range(3))
+    mask = torch.randn(8, 8)
+    for fn, args, op in [(scaled_q, (q, k, v), "sdpa"), (masked, (q, k, v, mask), "sdpa_mask")]:
+        compiled = egc.compile(fn, args)
+        assert compiled.plan.ops() == {op: 1}, str(compiled.plan)
+        torch.testing.assert_close(compiled(*args), fn(*args), atol=1e-4, rtol=1e-4)
+
+
+def test_hand_written_softmax_is_recognised():
+    plan = compiled_workload("softmax").plan
+    assert plan.ops() == {"softmax": 1} and len(plan.kernels) == 1
+
+
+def test_hand_written_gelu_is_recognised():
+    plan = compiled_workload("mlp_gelu").plan
+    assert plan.count("gelu_tanh") == 1 and plan.count("tanh") == 0, str(plan)
+
+    def gelu_erf(x):
+        return 0.5 * x * (1.0 + torch.erf(x / math.sqrt(2.0)))
+    x = torch.randn(16, 32)
+    compiled = egc.compile(gelu_erf, [x])
+    assert compiled.plan.ops() == {"gelu": 1}, str(compiled.plan)
+    torch.testing.assert_close(compiled(x), F.gelu(x), atol=1e-5, rtol=1e-5)
+
+
+def test_hand_written_rmsnorm_is_recognised():
+    plan = compiled_workload("rmsnorm_swiglu").plan
+    assert plan.count("rms_norm") == 1 and plan.count("rsqrt") == 0 and plan.count("silu") == 1, str(plan)
+
+
+def test_algebra_leaves_nothing_to_simplify():
+    plan = compiled_workload("algebra", unsafe=True).plan
+    assert plan.ops() == {}
+
+
+def test_linear_recomposed_from_matmul_plus_bias():
+    plan = compiled_workload("mlp_gelu").plan
+    assert plan.count("linear") == 2 and plan.count("add") == 0, str(plan)
+
+
+def test_matmul_associativity_picks_the_cheaper_order():
+    a, b, c = torch.randn(64, 256), torch.randn(256, 256), torch.randn(256, 2)
+    fn = lambda a, b, c: (a @ b) @ c  # noqa: E731
+    compiled = egc.compile(fn, [a, b, c])
+    inner = [n for n in compiled.plan.graph.topo() if n.op == "matmul"]
+    assert any(n.shape == (256, 2) for n in inner), str(compiled.plan)  # b @ c first: 64x fewer FLOPs
+    torch.testing.assert_close(compiled(a, b, c), fn(a, b, c), atol=1e-3, rtol=1e-4)
+
+
+def test_gpt_block_saturates_within_limits():
+    compiled = compiled_workload("gpt_block")
+    report = compiled.report
+    assert report.stop_reason == "saturated" and report.seconds < 5 and report.enodes < 5000
