@@ -72,3 +72,20 @@ def rules_list(paths: list[Path] = typer.Argument(None, help="rules files (defau
             if r.group == group:
                 flag = " [unsafe]" if r.unsafe else ""
                 typer.echo(f"  {r.name}{flag}  ({r.location})")
+
+
+@rules_app.command("verify")
+def rules_verify(paths: list[Path] = typer.Argument(None, help="rules files (default: the library)"),
+                 trials: int = typer.Option(24, help="random instances per rule"),
+                 seed: int = typer.Option(0, help="random seed")):
+    """Check rules numerically: both sides on random inputs that meet the rule's conditions."""
+    from .dsl.verify import verify_rules
+    rules = _load(paths or [])
+    results = verify_rules(rules, trials=trials, seed=seed)
+    for result in results:
+        typer.echo(result.line())
+    failed, skipped = sum(not r.passed for r in results), len(rules) - len(results)
+    summary = f"{len(results) - failed} passed, {failed} failed"
+    typer.echo(summary + (f", {skipped} fuse statement(s) skipped" if skipped else ""))
+    if failed:
+        raise typer.Exit(1)

@@ -13,6 +13,7 @@ Groups:
   layout    index remapping only (a view: no arithmetic)
   row       composites computed as one row kernel (softmax, layer_norm, ...)
   library   run by a tuned library call (matmul, sdpa, linear)
+  boundary  `inline`: its operand is computed inside the consumer's kernel
   extern    anything else, run by ATen and listed as a fallback
 """
 from __future__ import annotations
@@ -219,6 +220,8 @@ _op("matmul", "library", 2, [], matmul_shape, 2, lambda t, a: torch.matmul(t[0],
 _op("linear", "library", 3, [], linear_shape, 2, lambda t, a: F.linear(t[0], t[1], t[2]))
 _op("sdpa", "library", 3, [("scale", "float"), ("causal", "bool")], sdpa_shape, 4, _sdpa)
 _op("sdpa_mask", "library", 4, [("scale", "float"), ("causal", "bool")], sdpa_shape, 4, _sdpa)
+# kernel boundary: the operand is computed inside the consumer's kernel (value: identity)
+_op("inline", "boundary", 1, [], first_shape, 0, lambda t, a: t[0], "first")
 # anything else: run by ATen, named in the plan's fallbacks
 _op("extern", "extern", -1, [("target", "str")], leaf_shape, 0, None, "attr")
 

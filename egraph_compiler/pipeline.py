@@ -17,9 +17,11 @@ from codegen.cpp import render_program
 from . import capture as capture_mod
 from .cost import PROFILES
 from .dsl.library import check_unique, library_rules, load_user_rules, select
+from .dsl.parser import FuseRule
 from .egraph import encode, extract, saturate
 from .egraph.egg import EgglogSession
 from .egraph.facts import FactFeeder, needs_facts
+from .egraph.greedy import extract_kernels
 from .errors import EgraphCompilerError, UnsupportedOpError
 from .graph import Graph
 from .lower import lower_kernel
@@ -77,7 +79,7 @@ def run_pipeline(fn, example_inputs, options: Options):
     session.run(encode.declarations())
     session.run(encode.encode_graph(graph)[0])
     saturate.install_rules(session, rules)
-    schedule = [list(dict.fromkeys(r.group for r in rules))]
+    schedule = fusion_last_schedule(rules)
     limits = saturate.Limits(options.iter_limit, options.node_limit, options.time_limit)
     feeder = FactFeeder(session, graph) if needs_facts(rules) else None
     report = saturate.saturate(session, schedule, limits, feeder)
@@ -86,9 +88,8 @@ def run_pipeline(fn, example_inputs, options: Options):
     profile = PROFILES[options.profile or options.target]
     clock = time.perf_counter()
     eclasses = extract.load(session.serialized(), graph)
-    extract.analyse(eclasses, graph, profile)
-    choice, dag_cost = extract.extract_greedy(eclasses)
-    best = extract.build(eclasses, choice, graph)
+    extract.infer_types(eclasses, graph)
+    best, dag_cost = extract_kernels(eclasses, graph, profile)
     plan = make_plan(best, profile, report.matches)
     plan.extraction = f"extraction: greedy DAG cost {dag_cost * 1e6:.1f}us over {eclasses.enode_count} e-nodes"
     levels.timings["extract"] = time.perf_counter() - clock
@@ -105,6 +106,14 @@ def run_pipeline(fn, example_inputs, options: Options):
     if os.environ.get(DEBUG_ENV):
         print(levels, file=sys.stderr)
     return executable, plan, report, levels
+
+
+def fusion_last_schedule(rules) -> list[list[str]]:
+    """Rewrite groups run together first; fusion groups run on what they found."""
+    fusion = [g for g in dict.fromkeys(r.group for r in rules) if all(
+        isinstance(x, FuseRule) for x in rules if x.group == g)]
+    rewrite = [g for g in dict.fromkeys(r.group for r in rules) if g not in fusion]
+    return [rewrite, fusion]
 
 
 def _buffer_names(graph: Graph, plan: Plan) -> dict[int, str]:

@@ -1,11 +1,12 @@
 """Plan: the extracted program as kernels, with their estimated cost.
 
-A kernel computes one materialised tensor: a generated loop nest (pointwise,
-reduction or row composite), a library call (matmul, linear, sdpa) or an ATen
-fallback (extern ops, and dtypes the generated code does not handle).  Layout
-ops are views: they never form a kernel of their own, they become index maps
-in the loads of the kernels that read them (or torch views before a library
-call); a layout op that is itself a program output gets a copy kernel.
+A kernel computes one materialised tensor: a generated loop nest, a library
+call (matmul, linear, sdpa) or an ATen fallback (extern ops, and dtypes the
+generated code does not handle).  Kernel boundaries come from extraction: an
+operand behind an `inline` node is computed inside its consumer's kernel, any
+other operand is a tensor in memory.  Layout ops are views: they never form a
+kernel of their own but become index maps in the loads that read them (torch
+views before a library call); a layout op that is a program output is copied.
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ class Kernel:
     reason: str = ""  # why an ATen fallback
 
     def __str__(self) -> str:
-        names = " -> ".join(n.op for n in self.ops)
+        names = " -> ".join(n.op for n in self.ops if n.group != "boundary")
         extra = f"  [fallback: {self.reason}]" if self.reason else ""
         return (f"{self.name} ({self.kind}): {names} : {type_str(self.output)}  "
                 f"flops={self.flops:.3g} bytes={self.bytes:.3g} est={self.seconds * 1e6:.1f}us{extra}")
@@ -56,7 +57,7 @@ class Plan:
         return sum(1 for n in topo_order(self.graph.outputs) if n.op == op_name)
 
     def ops(self) -> Counter:
-        return Counter(n.op for n in topo_order(self.graph.outputs) if n.group != "source")
+        return Counter(n.op for n in topo_order(self.graph.outputs) if n.group not in ("source", "boundary"))
 
     def __str__(self) -> str:
         lines = [f"plan: {len(self.kernels)} kernel(s), estimated {self.cost * 1e6:.1f}us"]
@@ -75,43 +76,86 @@ def make_plan(graph: Graph, profile: DeviceProfile, rules_fired=None) -> Plan:
     outputs = {id(o) for o in graph.outputs}
     kernels: list[Kernel] = []
     fallbacks: list[str] = []
-    for node in topo_order(graph.outputs):
-        if node.group == "source" or (node.group == "layout" and id(node) not in outputs):
+    done: set[int] = set()
+    stack = [(o, False) for o in reversed(graph.outputs)]
+    while stack:
+        node, ready = stack.pop()
+        if id(node) in done:
             continue
-        inputs = materialised_inputs(node)
-        kind, reason = _kind(node, inputs)
-        kernel = Kernel(f"k{len(kernels)}", kind, node, [node], inputs, reason=reason)
+        if node.group == "source":
+            done.add(id(node))
+            continue
+        if node.group == "layout" and id(node) not in outputs and node.args[0].op != "inline":
+            done.add(id(node))
+            stack.append((node.args[0], False))  # a view: only its source must exist
+            continue
+        body, inputs = kernel_body(node)
+        if not ready:
+            stack.append((node, True))
+            stack.extend((i, False) for i in reversed(inputs) if id(i) not in done)
+            continue
+        done.add(id(node))
+        kind, reason = _kind(node, body, inputs)
+        kernel = Kernel(f"k{len(kernels)}", kind, node, body, inputs, reason=reason)
         _estimate(kernel, profile)
         kernels.append(kernel)
         if kind == "aten":
-            what = str(node.attr("target")).split("#")[0] if node.op == "extern" else node.op
-            fallbacks.append(f"{what} ({reason}; {graph.where.get(id(node), 'no source line')})")
+            fallbacks.append(_fallback_entry(node, reason, graph))
     return Plan(graph, kernels, fallbacks, dict(rules_fired or {}))
 
 
+def _fallback_entry(node: Node, reason: str, graph: Graph) -> str:
+    if node.op == "extern":
+        call = node.attr("target")
+        return f"{str(call).split('#')[0]} ({reason}; {call.where})"
+    return f"{node.op} ({reason}; {graph.where.get(id(node), 'no source line')})"
+
+
+def kernel_body(root: Node) -> tuple[list[Node], list[Node]]:
+    """(nodes computed by the kernel rooted at `root`, in order; the
+    materialised tensors it reads)."""
+    body: list[Node] = []
+    inputs: list[Node] = []
+    computed: set[int] = set()
+    read: set[int] = set()
+
+    def operand(a: Node) -> None:
+        while a.group == "layout":  # views are index maps over their source
+            a = a.args[0]
+        if a.op == "inline":
+            compute(a.args[0])
+        elif a.op != "const" and id(a) not in read:
+            read.add(id(a))
+            inputs.append(a)
+
+    def compute(n: Node) -> None:
+        if id(n) in computed:
+            return
+        computed.add(id(n))
+        if n.op == "input":
+            operand(n)
+            return
+        for a in n.args:
+            operand(a)
+        body.append(n)
+
+    compute(root)
+    return body, inputs
+
+
 def view_source(node: Node) -> Node:
-    """The materialised tensor a chain of views reads from."""
+    """The tensor a chain of views reads from."""
     while node.group == "layout":
         node = node.args[0]
     return node
 
 
-def materialised_inputs(node: Node) -> list[Node]:
-    seen, out = set(), []
-    for a in node.args:
-        src = view_source(a)
-        if src.op != "const" and id(src) not in seen:
-            seen.add(id(src))
-            out.append(src)
-    return out
-
-
-def _kind(node: Node, inputs) -> tuple[str, str]:
+def _kind(node: Node, body, inputs) -> tuple[str, str]:
     if node.op == "extern":
         return "aten", "op outside the vocabulary"
     if node.group == "library":
         return "library", ""
-    dtypes = {node.dtype} | {view_source(a).dtype for a in node.args}
+    dtypes = {n.dtype for n in body} | {i.dtype for i in inputs}
     if not dtypes <= GENERATED_DTYPES:
         return "aten", f"dtype {', '.join(sorted(dtypes - GENERATED_DTYPES))} in generated C++"
     return "generated", ""
@@ -121,22 +165,20 @@ def _estimate(kernel: Kernel, profile: DeviceProfile) -> None:
     node = kernel.output
     kernel.bytes = node.numel * itemsize(node.dtype) + sum(
         math.prod(i.shape) * itemsize(i.dtype) for i in kernel.inputs)
-    if node.group not in ("layout", "extern"):
-        kernel.flops = op_flops(node.op, node.shape, [a.shape for a in node.args])
+    kernel.flops = sum(op_flops(n.op, n.shape, [a.shape for a in n.args]) for n in kernel.ops
+                       if n.group not in ("layout", "extern", "boundary", "source"))
     kernel.seconds = kernel_cost(kernel.flops, kernel.bytes, profile, library=kernel.kind == "library")
-
-
-def describe(node: Node) -> str:
-    return f"{node.op}(" + ", ".join(f"{k}={format_attr(v)}" for k, v in node.attrs) + ")"
 
 
 def check_plan(plan: Plan) -> None:
     """Invariants (a verifier pass, run in tests): every kernel input is
-    materialised by an earlier kernel or is a program input."""
+    materialised by an earlier kernel or is a program input, and is a real
+    buffer (not a view or a boundary marker)."""
     ready = {id(n) for n in plan.graph.inputs}
     for k in plan.kernels:
         for i in k.inputs:
-            assert id(i) in ready or i.op == "const", f"{k.name} reads {i} before it is computed"
+            assert id(i) in ready, f"{k.name} reads {i} before it is computed"
+            assert i.group not in ("layout", "boundary"), f"{k.name} reads a view or a boundary as a buffer"
         ready.add(id(k.output))
     for o in plan.graph.outputs:
         assert id(o) in ready or o.op in ("input", "const"), f"output {o} is never computed"

@@ -95,6 +95,28 @@ class Rule:
         return collect_vars(self.lhs)
 
 
+FUSE_CONDITIONS = {"same_domain": "the producer is a keepdim reduction over the consumer's index space"}
+
+
+@dataclass
+class FuseRule:
+    """`fuse NAME: CONSUMERS <- PRODUCERS`: each consumer op may compute a
+    producer operand inside its own kernel instead of reading it from memory."""
+    name: str
+    group: str
+    consumers: tuple[str, ...]  # op names
+    producers: tuple[str, ...]
+    conditions: tuple[str, ...] = ()
+    path: str = "<rules>"
+    line: int = 0
+    text: str = ""
+    unsafe: bool = False
+
+    @property
+    def location(self) -> str:
+        return f"{self.path}:{self.line}"
+
+
 def collect_vars(term, out=None) -> dict[str, str]:
     out = {} if out is None else out
     if isinstance(term, Var):
@@ -162,9 +184,33 @@ class _Checker:
             if stmt.data == "group_decl":
                 name, *flags = stmt.children
                 self.group, self.group_unsafe = str(name), any(str(f.children[0]) == "unsafe" for f in flags)
+            elif stmt.data == "fuse_decl":
+                rules.append(self.fuse(stmt))
             else:
                 rules.append(self.rule(stmt))
         return rules
+
+    def fuse(self, node) -> FuseRule:
+        name, consumers, producers, *rest = node.children
+        conditions = tuple(str(c) for c in rest[0].children) if rest else ()
+        for cond, tok in zip(conditions, rest[0].children if rest else ()):
+            if cond not in FUSE_CONDITIONS:
+                self.error(f"unknown fusion condition {cond!r}; known: {', '.join(FUSE_CONDITIONS)}", tok)
+        return FuseRule(str(name), self.group, self._op_set(consumers), self._op_set(producers), conditions,
+                        self.path, node.meta.line, _line(self.lines, node.meta.line))
+
+    def _op_set(self, tree) -> tuple[str, ...]:
+        out: list[str] = []
+        groups = {d.group for d in ops.OPS.values()}
+        for tok in tree.children:
+            name = str(tok)
+            if name in groups:
+                out += [n for n, d in ops.OPS.items() if d.group == name]
+            elif name in ops.OPS:
+                out.append(name)
+            else:
+                self.error(f"{name!r} is neither an op nor a group (groups: {', '.join(sorted(groups))})", tok)
+        return tuple(dict.fromkeys(out))
 
     def rule(self, node) -> Rule:
         kids = list(node.children)
@@ -257,8 +303,8 @@ class _Checker:
         name_tok, *args = tree.children
         args = [a for a in args if a is not None]
         op = str(name_tok)
-        if op not in ops.OPS or op in ("input", "extern"):
-            known = ", ".join(sorted(n for n in ops.OPS if n not in ("input", "extern", "const")))
+        if op not in ops.OPS or op in ("input", "extern", "inline"):
+            known = ", ".join(sorted(n for n in ops.OPS if n not in ("input", "extern", "const", "inline")))
             self.error(f"unknown op {op!r}; known ops: {known}", tree.meta)
         if sort != "tensor":
             self.error(f"expected {sort}, got a call of {op}", tree.meta)

@@ -12,7 +12,7 @@ import json
 import math
 
 from .. import ops
-from ..dsl.parser import Arith, Condition, Lit, Pat, Query, Rule, Var
+from ..dsl.parser import Arith, Condition, FuseRule, Lit, Pat, Query, Rule, Var
 from ..graph import Graph, Node, topo_order
 
 SORTS = {"int": "i64", "float": "f64", "bool": "bool", "str": "String", "ints": "Ints"}
@@ -38,6 +38,7 @@ def declarations() -> str:
     lines.append("(function dim-size (T i64) i64 :merge old)")
     lines.append("(function rank-of (T) i64 :merge old)")
     lines.append("(function dtype-of (T) String :merge old)")
+    lines.append("(function shape-key (T) String :merge old)")
     return "\n".join(lines)
 
 
@@ -92,15 +93,18 @@ def term_text(op: str, operands: list[str], attrs: dict) -> str:
 
 def facts_text(name: str, shape, dtype: str) -> str:
     """Shape and dtype facts for one e-class (dims are indexed negatively)."""
-    lines = [f"(set (rank-of {name}) {len(shape)})", f"(set (dtype-of {name}) {json.dumps(dtype)})"]
+    lines = [f"(set (rank-of {name}) {len(shape)})", f"(set (dtype-of {name}) {json.dumps(dtype)})",
+             f"(set (shape-key {name}) {json.dumps(','.join(map(str, shape)))})"]
     lines += [f"(set (dim-size {name} {d - len(shape)}) {n})" for d, n in enumerate(shape)]
     return "\n".join(lines)
 
 
 # ---- rules ----
 
-def rule_commands(rule: Rule) -> list[str]:
+def rule_commands(rule) -> list[str]:
     """egglog commands for one rule: a rewrite (two for `<=>`), named after it."""
+    if isinstance(rule, FuseRule):
+        return fuse_commands(rule)
     options: list[list[str]] = [[]]  # one guard list per alternative of `in` conditions
     for cond in rule.conditions:
         if cond.is_assumption:
@@ -152,3 +156,46 @@ def _guard(cond: Condition) -> str:
     op = {"==": "="}.get(cond.op, cond.op)
     (right,) = cond.right
     return f"({op} {left} {pattern(right) if not isinstance(right, Lit) else literal(right.value, right.sort)})"
+
+
+def _op_pattern(op: str, prefix: str) -> tuple[str, list[str]]:
+    """`(Ctor p0 p1 .. attrs)` with fresh variables; returns it and the operand names."""
+    opdef = ops.get(op)
+    operands = [f"{prefix}{i}" for i in range(opdef.arity)]
+    attrs = [f"{prefix}_a{i}" for i in range(len(opdef.attrs))]
+    return f"({ctor(op)}{''.join(' ' + v for v in operands + attrs)})", operands
+
+
+HIDDEN = "~"  # prefix of helper rules that the report does not count
+
+
+def fuse_commands(rule: FuseRule) -> list[str]:
+    """A fusion statement as egglog rules: for each consumer op and operand
+    position, an alternative e-node whose operand is `(Inline p)`."""
+    rs, name = ruleset_name(rule.group), json.dumps(rule.name)
+    out = []
+    relation = "fuse-src-" + "".join(c if c.isalnum() else "-" for c in rule.name)
+    same_domain = "same_domain" in rule.conditions
+    if not same_domain:
+        out.append(f"(relation {relation} (T))")
+        for producer in rule.producers:
+            pat, _ = _op_pattern(producer, "q")
+            out.append(f"(rule ((= e {pat})) (({relation} e)) :ruleset {rs} "
+                       f":name {json.dumps(HIDDEN + rule.name + '/' + producer)})")
+    for consumer in rule.consumers:
+        pat, operands = _op_pattern(consumer, "c")
+        for i, operand in enumerate(operands):
+            inlined = pat.replace(f" {operand} ", f" (Inline {operand}) ", 1) if f" {operand} " in pat \
+                else pat.replace(f" {operand})", f" (Inline {operand}))", 1)
+            if same_domain:
+                for producer in rule.producers:
+                    if ops.get(producer).group != "reduction":
+                        raise ValueError(f"{rule.location}: same_domain applies to reductions, not {producer}")
+                    query = (f"(= {operand} ({ctor(producer)} x dims true)) "
+                             f"(= (shape-key x) (shape-key e))")
+                    out.append(f"(rule ((= e {pat}) {query}) ((union e {inlined})) :ruleset {rs} "
+                               f":name {json.dumps(rule.name + '#' + producer + str(i) + consumer)})")
+            else:
+                out.append(f"(rule ((= e {pat}) ({relation} {operand})) ((union e {inlined})) :ruleset {rs} "
+                           f":name {json.dumps(rule.name + '#' + str(i) + consumer)})")
+    return out

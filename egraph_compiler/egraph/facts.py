@@ -9,7 +9,7 @@ A class whose e-nodes disagree on shape is an unsound rule, raised at once.
 """
 from __future__ import annotations
 
-from ..dsl.parser import Query, Rule
+from ..dsl.parser import FuseRule, Query, Rule
 from ..graph import Graph
 from . import extract
 from .egg import EgglogSession
@@ -59,4 +59,5 @@ class FactFeeder:
 
 
 def needs_facts(rules: list[Rule]) -> bool:
-    return any(isinstance(c.left, Query) for r in rules for c in r.conditions)
+    return any(isinstance(r, FuseRule) and r.conditions or
+               isinstance(r, Rule) and any(isinstance(c.left, Query) for c in r.conditions) for r in rules)

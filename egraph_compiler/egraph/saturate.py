@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from ..dsl.parser import Rule
 from .egg import EgglogSession
-from .encode import rule_commands, ruleset_name
+from .encode import HIDDEN, rule_commands, ruleset_name
 
 SATURATED, ITERATION_LIMIT, NODE_LIMIT, TIME_LIMIT = "saturated", "iteration limit", "node limit", "time limit"
 
@@ -80,7 +80,8 @@ def _run_phase(session, phase, limits, report, start, feeder) -> tuple[str, int]
         report.iterations += 1
         count += 1
         for name, n in result.matches.items():
-            report.matches[name.split("#")[0].removesuffix(".reverse")] += n
+            if not name.startswith(HIDDEN):
+                report.matches[name.split("#")[0].removesuffix(".reverse")] += n
         new_facts = feeder.feed() if feeder is not None and result.updated else 0
         if not result.updated and not new_facts:
             return SATURATED, count

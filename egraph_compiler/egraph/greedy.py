@@ -1,0 +1,174 @@
+"""Kernel-aware DAG greedy extraction.
+
+An e-class can be used two ways: *materialised* (its value is written to
+memory by a kernel of its own, or is an input or a view) or *inlined* (an
+`Inline` edge: computed inside its consumer's kernel).  For each class the
+extractor keeps the best choice for both uses:
+
+- inlined: the FLOPs and bytes loaded by the inlined body, plus the
+  materialised kernels it depends on.  Inlined bodies are tree-costed, so an
+  inlined producer used by two kernels is charged in each (it is recomputed).
+- materialised: the roofline cost of the kernel rooted here (body FLOPs,
+  loads + its own store, launch), plus the kernels it depends on.  Kernels are
+  DAG-costed: a materialised class is paid once however many kernels read it.
+
+Library and extern ops never take an inlined operand.  Inlining is offered
+only where rules put an `Inline` edge; nothing here decides fusion.
+"""
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass, field
+
+from .. import ops
+from ..cost import VIEW_COST, DeviceProfile, itemsize, kernel_cost, op_flops
+from ..errors import UnsoundRuleError
+from ..graph import WEAK, Graph, Node
+from .extract import EClassGraph, ENode
+
+INLINE_GROUPS = {"pointwise", "reduction", "layout", "row", "source"}
+
+
+@dataclass
+class Option:
+    total: float
+    node: ENode
+    needed: dict[str, float]  # materialised class -> its kernel cost
+    flops: float = 0.0
+    loads: float = 0.0
+    body: frozenset = field(default_factory=frozenset)  # classes computed inline (a cycle guard)
+
+
+class KernelExtractor:
+    def __init__(self, eg: EClassGraph, profile: DeviceProfile):
+        self.eg, self.profile = eg, profile
+        self.inline_of = {c: n.children[0] for c, nodes in eg.classes.items() for n in nodes if n.op == "inline"}
+        self.class_of = {id(n): c for c, nodes in eg.classes.items() for n in nodes}
+        self.mat: dict[str, Option] = {}
+        self.inl: dict[str, Option] = {}
+
+    def bytes(self, class_id: str) -> float:
+        dtype = self.eg.dtype[class_id]
+        return math.prod(self.eg.shape[class_id]) * itemsize("float32" if dtype == WEAK else dtype)
+
+    def run(self) -> None:
+        changed = True
+        while changed:
+            changed = False
+            for class_id, enodes in self.eg.classes.items():
+                if class_id in self.inline_of or class_id not in self.eg.shape:
+                    continue
+                for en in enodes:
+                    body = self._body(en)
+                    if body is None:
+                        continue
+                    changed |= self._offer_inline(class_id, en, body)
+                    changed |= self._offer_materialised(class_id, en, body)
+
+    def _body(self, en: ENode):
+        group = ops.group_of(en.op)
+        flops = 0.0
+        if group not in ("source", "layout", "boundary", "extern"):
+            flops = op_flops(en.op, self._shape_of(en), [self.eg.shape[c] for c in en.children])
+        loads, needed, inlined = 0.0, {}, frozenset()
+        for child in en.children:
+            if child in self.inline_of:
+                if group in ("library", "extern"):
+                    return None
+                option = self.inl.get(self.inline_of[child])
+                if option is None:
+                    return None
+                flops, loads = flops + option.flops, loads + option.loads
+                needed = {**needed, **option.needed}
+                inlined |= option.body
+            else:
+                option = self.mat.get(child)
+                if option is None:
+                    return None
+                needed = {**needed, **option.needed}
+                if option.node.op != "const":
+                    loads += self.bytes(child)
+        return flops, loads, needed, inlined
+
+    def _shape_of(self, en: ENode):
+        return self.eg.shape[self.class_of[id(en)]]
+
+    def _offer_inline(self, class_id, en, body) -> bool:
+        group = ops.group_of(en.op)
+        flops, loads, needed, inlined = body
+        if group not in INLINE_GROUPS or class_id in inlined or en.op == "extern":
+            return False
+        if en.op == "input":
+            loads = self.bytes(class_id)
+        total = sum(needed.values()) + flops / self.profile.flops + loads / self.profile.bandwidth
+        old = self.inl.get(class_id)
+        if old is not None and total >= old.total - 1e-15:
+            return False
+        self.inl[class_id] = Option(total, en, needed, flops, loads, inlined | {class_id})
+        return True
+
+    def _offer_materialised(self, class_id, en, body) -> bool:
+        group = ops.group_of(en.op)
+        flops, loads, needed, inlined = body
+        if class_id in needed or class_id in inlined:
+            return False  # a cycle through this class
+        has_inline = any(c in self.inline_of for c in en.children)
+        if group == "source":
+            cost = 0.0
+        elif group == "layout" and not has_inline:
+            cost = VIEW_COST  # a view of a materialised tensor
+        else:
+            cost = kernel_cost(flops, loads + self.bytes(class_id), self.profile, library=group == "library")
+        needed = {**needed, class_id: cost}
+        total = sum(needed.values())
+        old = self.mat.get(class_id)
+        if old is not None and total >= old.total - 1e-15:
+            return False
+        self.mat[class_id] = Option(total, en, needed)
+        return True
+
+    def cost_of(self, roots) -> float:
+        used: dict[str, float] = {}
+        for r in roots:
+            used.update(self.mat[r].needed)
+        return sum(used.values())
+
+
+def extract_kernels(eg: EClassGraph, graph: Graph, profile: DeviceProfile) -> tuple[Graph, float]:
+    """The cheapest program, with `inline` nodes marking fused operands."""
+    extractor = KernelExtractor(eg, profile)
+    extractor.run()
+    missing = [r for r in eg.roots if r not in extractor.mat]
+    if missing:
+        raise UnsoundRuleError(f"no finite term for output class(es) {missing}")
+    return build(eg, extractor, graph), extractor.cost_of(eg.roots)
+
+
+def build(eg: EClassGraph, extractor: KernelExtractor, graph: Graph) -> Graph:
+    inputs = {n.attr("name"): n for n in graph.inputs}
+    built: dict[tuple[str, str], Node] = {}
+
+    def make(class_id: str, mode: str) -> Node:
+        key = (class_id, mode)
+        if key in built:
+            return built[key]
+        en = (extractor.mat if mode == "mat" else extractor.inl)[class_id].node
+        args = []
+        for child in en.children:
+            if child in extractor.inline_of:
+                args.append(Node.make("inline", (make(extractor.inline_of[child], "inline"),)))
+            else:
+                args.append(make(child, "mat"))
+        if en.op == "input":
+            node = inputs[en.attrs["name"]]
+        elif en.op in ("const", "extern"):
+            node = Node.make(en.op, tuple(args), en.attrs, shape=eg.shape[class_id], dtype=eg.dtype[class_id])
+        else:
+            node = Node.make(en.op, tuple(args), en.attrs)
+        built[key] = node
+        return node
+
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 20000))  # deep programs recurse deeply
+    outputs = tuple(make(r, "mat") for r in eg.roots)
+    return Graph(graph.inputs, outputs, graph.bound, graph.where)
