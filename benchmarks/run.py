@@ -99,6 +99,59 @@ def geomean(values):
     return math.exp(sum(math.log(v) for v in values) / len(values)) if values else None
 
 
+# --------------------------------------------------------------------------- machine noise
+
+def _proc_stat_busy() -> float | None:
+    """Seconds of CPU time the whole machine has spent busy (Linux /proc/stat)."""
+    try:
+        with open("/proc/stat") as fh:
+            fields = [int(x) for x in fh.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    busy = sum(fields[:8]) - idle  # user nice system idle iowait irq softirq steal
+    return busy / os.sysconf("SC_CLK_TCK")
+
+
+class ForeignLoad:
+    """Fraction of the machine's CPU capacity used by OTHER processes between
+    construction and `fraction()` (machine busy time minus this process's)."""
+
+    def __init__(self):
+        self.t0, self.busy0, self.own0 = time.perf_counter(), _proc_stat_busy(), self._own()
+
+    @staticmethod
+    def _own() -> float:
+        t = os.times()
+        return t.user + t.system
+
+    def fraction(self) -> float | None:
+        busy = _proc_stat_busy()
+        if busy is None or self.busy0 is None:
+            return None
+        wall = time.perf_counter() - self.t0
+        foreign = (busy - self.busy0) - (self._own() - self.own0)
+        return max(0.0, foreign) / (wall * (os.cpu_count() or 1))
+
+
+def wait_quiet(args) -> float:
+    """Wait (at most --quiet-timeout s) until other processes use at most
+    --max-foreign-load of the CPUs over a 1 s sample.  Returns seconds waited."""
+    t0 = time.perf_counter()
+    warned = False
+    while time.perf_counter() - t0 < args.quiet_timeout:
+        meter = ForeignLoad()
+        time.sleep(1.0)
+        load = meter.fraction()
+        if load is None or load <= args.max_foreign_load:
+            break
+        if not warned:
+            print(f"[bench] machine busy ({100 * load:.0f}% of CPUs used by other processes); waiting "
+                  f"up to {args.quiet_timeout:.0f}s for quiet", file=sys.stderr, flush=True)
+            warned = True
+    return time.perf_counter() - t0
+
+
 # --------------------------------------------------------------------------- one workload
 
 def bench_workload(name: str, args) -> dict:
@@ -172,13 +225,25 @@ def bench_workload(name: str, args) -> dict:
         # block size from the fastest of a few single calls (robust to a preempted call)
         per_call = min(time_block(f, inputs, 1, device) for _ in range(5))
         row["inner"][v] = max(1, min(args.max_inner, int(args.block_ms / 1e3 / max(per_call, 1e-9))))
-        row["rounds_ms"][v] = []
 
-    # -- interleaved rounds (order rotates each round)
-    for r in range(args.reps):
-        shift = r % len(order)
-        for v in order[shift:] + order[:shift]:
-            row["rounds_ms"][v].append(1e3 * time_block(callables[v], inputs, row["inner"][v], device))
+    # -- interleaved rounds (order rotates each round).  On a shared machine,
+    # wait for quiet first, watch how much CPU other processes took while we
+    # timed, and redo the timing (up to --retries times) if it was too much.
+    for attempt in range(args.retries + 1):
+        row["quiet_wait_s"] = wait_quiet(args)
+        for v in order:
+            row["rounds_ms"][v] = []
+        meter = ForeignLoad()
+        for r in range(args.reps):
+            shift = r % len(order)
+            for v in order[shift:] + order[:shift]:
+                row["rounds_ms"][v].append(1e3 * time_block(callables[v], inputs, row["inner"][v], device))
+        row["foreign_load"] = meter.fraction()
+        row["attempts"] = attempt + 1
+        if row["foreign_load"] is None or row["foreign_load"] <= args.max_foreign_load:
+            break
+        print(f"[bench] {name}: other processes used {100 * row['foreign_load']:.0f}% of the CPUs "
+              f"while timing; retrying", file=sys.stderr, flush=True)
 
     for v in order:
         times = row["rounds_ms"][v]
@@ -223,7 +288,7 @@ def kernels_cell(row) -> str:
     return f"{row['kernels']}" + (f" ({detail})" if detail else "")
 
 
-def markdown_table(rows) -> str:
+def markdown_table(rows, max_foreign_load: float = 0.1) -> str:
     head = ("| workload | eager ms | inductor ms | ours ms | ours/inductor speedup | ours/eager speedup "
             "| ours kernels | compile s (inductor, ours) |")
     lines = [head, "|" + "---|" * 8]
@@ -237,6 +302,12 @@ def markdown_table(rows) -> str:
     n = sum(1 for r in rows if r.get("speedup_vs_inductor"))
     lines.append(f"| **geomean** | | | | **{fmt_x(gi)}** | **{fmt_x(ge)}** | | |")
     lines.append("")
+    noisy = [f"{r['workload']} ({100 * r['foreign_load']:.0f}%)" for r in rows
+             if r.get("foreign_load") is not None and r["foreign_load"] > max_foreign_load]
+    if noisy:
+        lines.append("WARNING: other processes took a noticeable share of the CPUs while timing: "
+                     + ", ".join(noisy) + "; treat those rows as noisy.")
+        lines.append("")
     lines.append(f"speedup = baseline ms / ours ms (>1: ours faster); geometric mean over the {n} workload(s) "
                  "where both times exist.")
     return "\n".join(lines)
@@ -251,8 +322,26 @@ def problems(rows) -> list[str]:
     return out
 
 
+def source_revision() -> dict:
+    """Where egraph_compiler was imported from, and its git commit if it is a checkout."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(egc.__file__)))
+    info = {"egraph_compiler": os.path.dirname(os.path.abspath(egc.__file__)), "git_commit": None}
+    try:
+        import subprocess
+        head = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True)
+        if head.returncode == 0:
+            info["git_commit"] = head.stdout.strip()
+            dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
+                                   capture_output=True, text=True)
+            info["git_dirty"] = bool(dirty.stdout.strip())
+    except OSError:
+        pass
+    return info
+
+
 def environment(args) -> dict:
     env = {
+        **source_revision(),
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "python": sys.version.split()[0],
         "torch": torch.__version__,
@@ -325,6 +414,11 @@ def main(argv=None) -> int:
     p.add_argument("--block-ms", type=float, default=5.0,
                    help="target duration of one timed block of back-to-back calls")
     p.add_argument("--max-inner", type=int, default=1000, help="cap on calls per timed block")
+    p.add_argument("--max-foreign-load", type=float, default=0.1,
+                   help="CPU fraction other processes may use while timing before a retry")
+    p.add_argument("--quiet-timeout", type=float, default=120.0,
+                   help="seconds to wait for a quiet machine before each workload's timing (0: don't wait)")
+    p.add_argument("--retries", type=int, default=3, help="re-timings of a workload disturbed by other load")
     p.add_argument("--json", default=None, help="write the raw numbers here")
     args = p.parse_args(argv)
 
@@ -350,13 +444,14 @@ def main(argv=None) -> int:
         print(f"[bench] {name}: " + ", ".join(
             f"{v}={r['ms'][v]:.3f}ms [p25 {r['spread'][v]['p25']:.3f}, p75 {r['spread'][v]['p75']:.3f}]"
             for v in r["ms"])
-              + " | compile " + ", ".join(f"{v}={s:.1f}s" for v, s in r["compile_s"].items()),
+              + " | compile " + ", ".join(f"{v}={s:.1f}s" for v, s in r["compile_s"].items())
+              + (f" | foreign load {100 * r['foreign_load']:.0f}%" if r.get("foreign_load") is not None else ""),
               file=sys.stderr, flush=True)
 
     env["loadavg_end"] = loadavg()
     print(f"\n## {args.size} size, {args.device}, {args.dtype} "
           f"(torch {env['torch']}, {env['cpu_count']} CPUs, {env['torch_threads']} torch threads)\n")
-    print(markdown_table(rows))
+    print(markdown_table(rows, args.max_foreign_load))
     issues = problems(rows)
     if issues:
         print("\nproblems:")

@@ -39,9 +39,17 @@ TARGET = Target(
                  -1.0: "(1.0f / ({0}))"},
 )
 
-_INIT = {"sum": "0.0f", "max": "-INFINITY"}
-_COMBINE = {"sum": "{acc} += {v};", "max": "{acc} = std::max({acc}, {v});"}
-_CLAUSE = {"sum": "+", "max": "max"}
+# A max reduction keeps a NaN flag beside the maximum (a NaN anywhere in the row
+# makes the result NaN, as in torch), so that both stay plain vectorisable reductions.
+_REDUCTIONS = {
+    "sum": ("    float {acc} = 0.0f;",
+            "    #pragma omp simd reduction(+:{acc})",
+            "{{ {acc} += {v}; }}", ""),
+    "max": ("    float {acc} = -INFINITY; int {acc}_nan = 0;",
+            "    #pragma omp simd reduction(max:{acc}) reduction(|:{acc}_nan)",
+            "{{ const float v = {v}; {acc} = std::max({acc}, v); {acc}_nan |= (v != v); }}",
+            "    if ({acc}_nan) {acc} = NAN;"),
+}
 
 
 def render_kernel(k: LoopKernel) -> str:
@@ -54,11 +62,13 @@ def render_kernel(k: LoopKernel) -> str:
         lines.append("  #pragma omp parallel for schedule(static)")
     lines.append(f"  for (int64_t o = 0; o < {k.outer}; ++o) {{")
     for red in k.reductions:
+        init, pragma, step, finish = _REDUCTIONS[red.combiner]
         body = render_expr(red.body, TARGET)
-        lines.append(f"    float {red.acc} = {_INIT[red.combiner]};")
-        lines.append(f"    #pragma omp simd reduction({_CLAUSE[red.combiner]}:{red.acc})")
-        lines.append(f"    for (int64_t r = 0; r < {k.inner}; ++r) {{ "
-                     f"{_COMBINE[red.combiner].format(acc=red.acc, v=body)} }}")
+        lines.append(init.format(acc=red.acc))
+        lines.append(pragma.format(acc=red.acc))
+        lines.append(f"    for (int64_t r = 0; r < {k.inner}; ++r) " + step.format(acc=red.acc, v=body))
+        if finish:
+            lines.append(finish.format(acc=red.acc))
     value = render_expr(k.value, TARGET)
     store = f"{k.store_param}[{k.store_index}] = static_cast<{out_type}>({value});"
     if k.store_in_inner:

@@ -77,6 +77,8 @@ def capture(fn, example_inputs) -> tuple[Graph, str]:
             inputs.append(node)
             env[fx_node.name] = node
         elif fx_node.op == "call_function":
+            if "val" not in fx_node.meta and not fx_node.users:
+                continue  # a check with no result (e.g. _assert_tensor_metadata)
             env[fx_node.name] = _convert(fx_node, env, where)
         elif fx_node.op == "output":
             outs = tuple(env[a.name] for a in fx_node.args[0])
@@ -340,6 +342,9 @@ CONVERTERS = {
     aten.linear.default: lambda x, w, b=None: Node.make("linear", (x, w, b if b is not None else const(0.0))),
     aten.addmm.default: _addmm, aten.scaled_dot_product_attention.default: _sdpa,
     aten.clamp_min.default: lambda x, m: Node.make("maximum", (x, _t(m))),
+    aten.rsub.Scalar: lambda x, other, alpha=1: _binary("sub")(other, x, alpha) if alpha == 1 else None,
+    aten.rsub.Tensor: lambda x, other, alpha=1: _binary("sub")(other, x, alpha) if alpha == 1 else None,
+    aten.reciprocal.default: lambda x: Node.make("div", (const(1.0), x)),
 }
 for _name in ["exp", "log", "tanh", "erf", "relu", "sigmoid", "neg", "abs", "sqrt", "rsqrt", "silu"]:
     CONVERTERS[getattr(aten, _name).default] = _unary(_name)

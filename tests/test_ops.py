@@ -11,6 +11,7 @@ shapes, so nothing about the example values may be baked in.
 """
 from __future__ import annotations
 
+import re
 import warnings
 from dataclasses import dataclass
 from typing import Callable
@@ -24,7 +25,9 @@ from egraph_compiler import UnsupportedOpError, ops, pipeline
 from egraph_compiler.plan import check_plan
 
 ATOL = RTOL = 1e-5
-INTERNAL_OPS = {"input", "const", "extern"}
+# the op-table groups a user program can reach; the rest (`input`, `const`, `extern`, and
+# compiler-internal markers) are plumbing, not ops under test
+USER_GROUPS = {"pointwise", "reduction", "layout", "row", "library"}
 
 
 # ---- input factories -----------------------------------------------------
@@ -87,87 +90,65 @@ CASES: list[OpCase] = [
     C("pow_3", "pow", lambda x: torch.pow(x, 3), lambda: (randn(3, 5),)),
     C("pow_-1", "pow", lambda x: torch.pow(x, -1), lambda: (pos(3, 5) * torch.sign(randn(3, 5)),)),
     C("pow_1.7", "pow", lambda x: torch.pow(x, 1.7), lambda: (randn(3, 5),)),
-    C("pow_tensor_tensor", "pow", torch.pow, lambda: (pos(3, 5), randn(5))),
-    C("pow_scalar_base", "pow", lambda x: 2.0 ** x, lambda: (randn(3, 5),)),
-    # ---- binary arithmetic: tensor-tensor with broadcasting, tensor-scalar, scalar-tensor ----
-    C("add_bcast", "add", torch.add, lambda: (randn(4, 1, 8), randn(3, 1))),
-    C("add_scalar", "add", lambda x: x + 2.5, lambda: (randn(3, 5),)),
-    C("add_alpha", "add", lambda x, y: torch.add(x, y, alpha=0.5), lambda: (randn(3, 5), randn(5))),
-    C("sub_bcast", "sub", torch.sub, lambda: (randn(4, 1, 8), randn(3, 1))),
-    C("sub_scalar", "sub", lambda x: x - 1.5, lambda: (randn(3, 5),)),
+    C("pow_tensor_exponent", "pow", lambda x, y: (torch.pow(x, y), 2.0 ** y), lambda: (pos(3, 5), randn(5))),
+    # ---- binary arithmetic: tensor-tensor broadcasting [4,1,8] with [3,1], and tensor-scalar ----
+    C("add", "add", lambda x, y: (x + y, x + 2.5), lambda: (randn(4, 1, 8), randn(3, 1))),
+    C("sub", "sub", lambda x, y: (x - y, x - 1.5), lambda: (randn(4, 1, 8), randn(3, 1))),
     C("sub_scalar_lhs", "sub", lambda x: 1.5 - x, lambda: (randn(3, 5),)),
-    C("mul_bcast", "mul", torch.mul, lambda: (randn(4, 1, 8), randn(3, 1))),
-    C("mul_scalar", "mul", lambda x: x * -3.0, lambda: (randn(3, 5),)),
-    C("div_bcast", "div", torch.div, lambda: (randn(4, 1, 8), pos(3, 1))),
-    C("div_scalar", "div", lambda x: x / 4.0, lambda: (randn(3, 5),)),
+    C("mul", "mul", lambda x, y: (x * y, x * -3.0), lambda: (randn(4, 1, 8), randn(3, 1))),
+    C("div", "div", lambda x, y: (x / y, x / 4.0), lambda: (randn(4, 1, 8), pos(3, 1))),
     C("div_scalar_lhs", "div", lambda x: 2.0 / x, lambda: (pos(3, 5),)),
-    C("maximum_bcast_nan", "maximum", torch.maximum, lambda: (with_nan(4, 1, 8), randn(3, 1))),
+    C("maximum_nan_and_clamp_min", "maximum", lambda x, y: (torch.maximum(x, y), torch.clamp_min(x, 0.25)),
+      lambda: (with_nan(4, 1, 8), randn(3, 1))),
     C("maximum_0d_operand", "maximum", torch.maximum, lambda: (randn(3, 5), randn())),
-    C("maximum_scalar_clamp_min", "maximum", lambda x: torch.clamp_min(x, 0.25), lambda: (randn(3, 5),)),
-    # ---- comparisons (bool outputs) ----
-    C("gt_bcast", "gt", torch.gt, lambda: (ties(4, 1, 8), ties(3, 1))),
-    C("gt_scalar", "gt", lambda x: x > 0.5, lambda: (ties(3, 5),)),
-    C("ge_bcast", "ge", torch.ge, lambda: (ties(4, 1, 8), ties(3, 1))),
-    C("ge_scalar", "ge", lambda x: x >= 1.0, lambda: (ties(3, 5),)),
-    C("lt_bcast", "lt", torch.lt, lambda: (ties(4, 1, 8), ties(3, 1))),
-    C("lt_scalar", "lt", lambda x: x < 0.0, lambda: (ties(3, 5),)),
-    C("le_bcast", "le", torch.le, lambda: (ties(4, 1, 8), ties(3, 1))),
-    C("le_scalar", "le", lambda x: x <= -1.0, lambda: (ties(3, 5),)),
-    C("eq_bcast", "eq", torch.eq, lambda: (ties(4, 1, 8), ties(3, 1))),
-    C("eq_scalar", "eq", lambda x: x == 1.0, lambda: (ties(3, 5),)),
-    C("ne_bcast", "ne", torch.ne, lambda: (ties(4, 1, 8), ties(3, 1))),
-    C("ne_scalar", "ne", lambda x: x != 0.0, lambda: (ties(3, 5),)),
-    # ---- where ----
-    C("where_bcast", "where", torch.where, lambda: (bools(4, 1, 8), randn(3, 1), randn(8))),
-    C("where_scalar_other", "where", lambda c, x: torch.where(c, x, 0.0), lambda: (bools(3, 5), randn(3, 5))),
+    # ---- comparisons (bool outputs); integer-valued inputs so ties occur ----
+    C("gt", "gt", lambda x, y: (x > y, x > 0.5), lambda: (ties(4, 1, 8), ties(3, 1))),
+    C("ge", "ge", lambda x, y: (x >= y, x >= 1.0), lambda: (ties(4, 1, 8), ties(3, 1))),
+    C("lt", "lt", lambda x, y: (x < y, x < 0.0), lambda: (ties(4, 1, 8), ties(3, 1))),
+    C("le", "le", lambda x, y: (x <= y, x <= -1.0), lambda: (ties(4, 1, 8), ties(3, 1))),
+    C("eq", "eq", lambda x, y: (x == y, x == 1.0), lambda: (ties(4, 1, 8), ties(3, 1))),
+    C("ne", "ne", lambda x, y: (x != y, x != 0.0), lambda: (ties(4, 1, 8), ties(3, 1))),
+    # ---- where (bool condition as an input) ----
+    C("where", "where", lambda c, x, y: (torch.where(c, x, y), torch.where(c, x, 0.0)),
+      lambda: (bools(4, 1, 8), randn(3, 1), randn(8))),
     # ---- cast: float32 <-> bool is generated; other dtypes run as ATen fallbacks ----
     C("cast_to_float64", "cast", lambda x: x.to(torch.float64), lambda: (randn(3, 5),), fallback="cast"),
     C("cast_float64_to_float", "cast", lambda x: x.float(), lambda: (randn(3, 5).double(),), fallback="cast"),
-    C("cast_to_int32", "cast", lambda x: (x * 4).to(torch.int32), lambda: (randn(3, 5),), fallback="cast"),
     C("cast_to_bool", "cast", lambda x: x.to(torch.bool), lambda: (ties(3, 5),)),
     C("cast_bool_to_float", "cast", lambda m: m.float(), lambda: (bools(3, 5),)),
     # ---- reductions: dims [-1], [0], [0, 2], all; keepdim True and False ----
-    C("sum_dim-1", "sum", lambda x: x.sum(-1), lambda: (randn(2, 3, 8),)),
-    C("sum_dim0_keepdim", "sum", lambda x: x.sum(0, keepdim=True), lambda: (randn(2, 3, 8),)),
-    C("sum_dims0,2", "sum", lambda x: x.sum((0, 2)), lambda: (randn(2, 3, 8),)),
-    C("sum_all", "sum", lambda x: x.sum(), lambda: (randn(2, 3, 8),)),
-    C("sum_all_keepdim", "sum", lambda x: torch.sum(x, dim=None, keepdim=True), lambda: (randn(2, 3, 8),)),
+    C("sum_dims", "sum", lambda x: (x.sum(-1), x.sum(0, keepdim=True), x.sum((0, 2)), x.sum((0, 2), keepdim=True)),
+      lambda: (randn(2, 3, 8),)),
+    C("sum_all", "sum", lambda x: (x.sum(), torch.sum(x, dim=None, keepdim=True)), lambda: (randn(2, 3, 8),)),
     C("sum_1elem", "sum", lambda x: x.sum(-1), lambda: (randn(1),)),
-    C("mean_dim-1_keepdim", "mean", lambda x: x.mean(-1, keepdim=True), lambda: (randn(2, 3, 8),)),
-    C("mean_dim0", "mean", lambda x: x.mean(0), lambda: (randn(2, 3, 8),)),
-    C("mean_dims0,2_keepdim", "mean", lambda x: x.mean((0, 2), keepdim=True), lambda: (randn(2, 3, 8),)),
-    C("mean_all", "mean", lambda x: x.mean(), lambda: (randn(2, 3, 8),)),
+    C("mean_dims", "mean", lambda x: (x.mean(-1, keepdim=True), x.mean(0), x.mean((0, 2), keepdim=True),
+                                      x.mean((0, 2))), lambda: (randn(2, 3, 8),)),
+    C("mean_all", "mean", lambda x: (x.mean(), x.mean((0, 1, 2), keepdim=True)), lambda: (randn(2, 3, 8),)),
     C("mean_noncontig_permute", "mean", lambda x: x.mean(-1), lambda: (randn(8, 3, 2).permute(2, 1, 0),)),
-    C("amax_dim-1", "amax", lambda x: torch.amax(x, -1), lambda: (randn(2, 3, 8),)),
-    C("amax_dim0_keepdim", "amax", lambda x: torch.amax(x, 0, keepdim=True), lambda: (randn(2, 3, 8),)),
-    C("amax_dims0,2", "amax", lambda x: torch.amax(x, (0, 2)), lambda: (randn(2, 3, 8),)),
-    C("amax_all", "amax", lambda x: torch.amax(x), lambda: (randn(2, 3, 8),)),
-    C("amax_dim-1_nan", "amax", lambda x: torch.amax(x, -1), lambda: (with_nan(3, 8),)),
+    C("amax_dims", "amax", lambda x: (torch.amax(x, -1), torch.amax(x, 0, keepdim=True), torch.amax(x, (0, 2)),
+                                      torch.amax(x, (0, 2), keepdim=True)), lambda: (randn(2, 3, 8),)),
+    C("amax_all", "amax", lambda x: (torch.amax(x), torch.amax(x, (0, 1, 2), keepdim=True)),
+      lambda: (randn(2, 3, 8),)),
+    C("amax_nan", "amax", lambda x: torch.amax(x, -1), lambda: (with_nan(3, 8),)),
     # ---- matmul ----
     C("matmul_2d", "matmul", torch.matmul, lambda: (randn(3, 4), randn(4, 5))),
     C("matmul_batched_3d", "matmul", torch.matmul, lambda: (randn(2, 3, 4), randn(2, 4, 5))),
     C("matmul_bcast_batch", "matmul", torch.matmul, lambda: (randn(2, 1, 3, 4), randn(3, 4, 5))),
     C("matmul_3d_by_2d", "matmul", torch.matmul, lambda: (randn(2, 3, 4), randn(4, 5))),
-    C("matmul_mat_vec", "matmul", torch.matmul, lambda: (randn(3, 4), randn(4))),
-    C("matmul_vec_mat", "matmul", torch.matmul, lambda: (randn(4), randn(4, 5))),
-    C("matmul_vec_vec_0d", "matmul", torch.matmul, lambda: (randn(4), randn(4))),
-    C("matmul_batched_vec", "matmul", torch.matmul, lambda: (randn(2, 3, 4), randn(4))),
+    C("matmul_vectors", "matmul", lambda a, v, b, w, c: (a @ v, v @ b, v @ w, c @ v),
+      lambda: (randn(3, 4), randn(4), randn(4, 5), randn(4), randn(2, 3, 4))),
     C("matmul_noncontig_t", "matmul", torch.matmul, lambda: (randn(4, 3).t(), randn(5, 4).t())),
     # ---- layout ----
-    C("transpose", "transpose", lambda x: x.transpose(0, 2), lambda: (randn(2, 3, 4),)),
-    C("transpose_2d_t", "transpose", lambda x: x.t(), lambda: (randn(3, 5),)),
+    C("transpose", "transpose", lambda x, y: (x.transpose(0, 2), y.t()), lambda: (randn(2, 3, 4), randn(3, 5))),
     C("permute", "permute", lambda x: x.permute(2, 0, 1), lambda: (randn(2, 3, 4),)),
-    C("reshape", "reshape", lambda x: x.reshape(4, 6), lambda: (randn(2, 3, 4),)),
-    C("view_infer", "reshape", lambda x: x.view(-1, 2), lambda: (randn(2, 3, 4),)),
+    C("reshape_view", "reshape", lambda x: (x.reshape(4, 6), x.view(-1, 2)), lambda: (randn(2, 3, 4),)),
     C("reshape_after_transpose", "reshape", lambda x: x.transpose(0, 1).reshape(6, 4), lambda: (randn(2, 3, 4),)),
-    C("unsqueeze", "reshape", lambda x: x.unsqueeze(1), lambda: (randn(3, 4),)),
+    C("select_unsqueeze", "reshape", lambda x: (x[1], x.unsqueeze(1)), lambda: (randn(3, 4),)),
     C("expand", "expand", lambda x: x.expand(2, 3, 4), lambda: (randn(3, 1),)),
-    C("slice_step2", "slice", lambda x: x[:, 1::2], lambda: (randn(3, 8),)),
-    C("slice_negative_start", "slice", lambda x: x[-2:], lambda: (randn(5, 3),)),
-    C("slice_neg_start_step2", "slice", lambda x: x[..., -6:-1:2], lambda: (randn(2, 3, 8),)),
-    C("select", "slice", lambda x: x[1], lambda: (randn(3, 4),)),
-    C("split_uneven", "slice", lambda x: torch.split(x, 3, dim=-1), lambda: (randn(2, 8),)),
-    C("split_sizes_dim0", "slice", lambda x: torch.split(x, [1, 3], dim=0), lambda: (randn(4, 3),)),
+    C("slice_step2_negative_start", "slice", lambda x: (x[:, 1::2], x[-2:], x[:, -6:-1:2]),
+      lambda: (randn(5, 8),)),
+    C("split", "slice", lambda x: torch.split(x, 3, dim=-1) + torch.split(x, [1, 3], dim=0),
+      lambda: (randn(4, 8),)),
     # ---- row composites ----
     C("softmax_dim-1", "softmax", lambda x: torch.softmax(x, -1), lambda: (randn(3, 8) * 3,)),
     C("softmax_dim0", "softmax", lambda x: torch.softmax(x, 0), lambda: (randn(3, 4, 5) * 3,)),
@@ -181,9 +162,8 @@ CASES: list[OpCase] = [
       lambda: (randn(2, 3, 8), randn(3, 8), randn(3, 8))),
     C("rms_norm_weight", "rms_norm", lambda x, w: F.rms_norm(x, (8,), w, eps=1e-6),
       lambda: (randn(2, 3, 8), randn(8))),
-    C("rms_norm_no_weight_default_eps", "rms_norm", lambda x: F.rms_norm(x, (8,)), lambda: (randn(2, 3, 8),)),
-    C("rms_norm_last2", "rms_norm", lambda x, w: F.rms_norm(x, (3, 8), w, eps=1e-5),
-      lambda: (randn(2, 3, 8), randn(3, 8))),
+    C("rms_norm_last2_no_weight_default_eps", "rms_norm", lambda x: F.rms_norm(x, (3, 8)),
+      lambda: (randn(2, 3, 8),)),
     # ---- library calls ----
     C("linear_bias", "linear", F.linear, lambda: (randn(3, 8), randn(5, 8), randn(5))),
     C("linear_no_bias_3d", "linear", F.linear, lambda: (randn(2, 3, 8), randn(5, 8))),
@@ -209,19 +189,17 @@ def _compile_quietly(fn, inputs, **kwargs):
         return egraph_compiler.compile(fn, list(inputs), **kwargs)
 
 
+def captured_ops(compiled) -> set[str]:
+    """Op-table names in the captured Graph IR, before any rewriting (rules may
+    legitimately turn pow(x, 0.5) into sqrt, linear into matmul, ...)."""
+    return set(re.findall(r"= (\w+)\(", compiled.levels.graph))
+
+
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_op(case: OpCase):
     torch.manual_seed(0)
     example = case.make()
     compiled = _compile_quietly(case.fn, example)
-    plan = compiled.plan
-    check_plan(plan)
-    assert case.op in plan.ops(), f"{case.op} missing from the plan:\n{plan}"
-    if case.fallback is None:
-        assert plan.fallbacks == [], f"unexpected ATen fallbacks: {plan.fallbacks}"
-    else:
-        assert any(f.startswith(case.fallback) for f in plan.fallbacks), \
-            f"expected a {case.fallback} fallback, got {plan.fallbacks}"
     for inputs in (example, case.make()):  # the example and fresh values of the same shapes
         before = _clone(inputs)
         expected = case.fn(*inputs)
@@ -229,11 +207,21 @@ def test_op(case: OpCase):
         torch.testing.assert_close(actual, expected, atol=case.atol, rtol=case.rtol, equal_nan=True)
         for t, t0 in zip(inputs, before):  # the caller's tensors are left untouched
             torch.testing.assert_close(t, t0, atol=0, rtol=0, equal_nan=True)
+    plan = compiled.plan
+    check_plan(plan)
+    assert case.op in captured_ops(compiled), \
+        f"capture did not map onto {case.op!r}:\n{compiled.levels.graph}\n{plan}"
+    if case.fallback is None:
+        assert plan.fallbacks == [], f"unexpected ATen fallbacks: {plan.fallbacks}"
+    else:
+        assert any(f.startswith(case.fallback) for f in plan.fallbacks), \
+            f"expected a {case.fallback} fallback, got {plan.fallbacks}"
 
 
 def test_every_op_of_the_table_has_a_case():
     covered = {c.op for c in CASES}
-    missing = set(ops.OPS) - INTERNAL_OPS - covered
+    user_ops = {name for name, d in ops.OPS.items() if d.group in USER_GROUPS}
+    missing = user_ops - covered
     assert not missing, f"op-table entries without a test case: {sorted(missing)}"
     assert covered <= set(ops.OPS)
 

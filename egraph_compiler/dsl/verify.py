@@ -44,9 +44,9 @@ class VerifyResult:
     message: str = ""
 
     def line(self) -> str:
-        verdict = "PASS" if self.passed else "FAIL"
+        head = f"{'PASS' if self.passed else 'FAIL'}  {self.name:<26} max err {self.max_error:.1e}"
         tail = f"  {self.message}" if self.message and not self.passed else ""
-        return f"{verdict}  {self.name:<26} max err {self.max_error:.1e}  {self.trials:>3} trials  {self.location}" + tail
+        return f"{head}  {self.trials:>3} trials  {self.location}{tail}"
 
 
 @dataclass
