@@ -26,16 +26,23 @@ class CompiledFunction:
 
 
 def compile(fn, example_inputs, *, target="cpu", rules=(), disable=(), unsafe=False,
-            iter_limit=30, node_limit=50_000, time_limit=10.0, strict=False) -> CompiledFunction:
+            iter_limit=30, node_limit=50_000, time_limit=10.0, strict=False, extraction="greedy",
+            ilp_time_limit=5.0, profile=None) -> CompiledFunction:
     """Compile a function or nn.Module for inputs shaped like `example_inputs`.
 
     rules: extra rule files (paths) or rule text added to the library.
     disable: rule or group names switched off.  unsafe: True, or names of
     unsafe rules/groups to switch on.  iter_limit / node_limit / time_limit
     (seconds) bound saturation.  strict: an op outside the vocabulary raises
-    instead of falling back to ATen.
+    instead of falling back to ATen.  extraction: "greedy" (DAG-aware), or
+    "ilp" to also solve the integer program (HiGHS, `ilp_time_limit` seconds)
+    and keep the cheaper plan.  profile: the cost model's device profile
+    ("cpu" is calibrated on this machine by default; "cpu-default", "h200").
     """
-    options = Options(target, list(rules), list(disable), unsafe, iter_limit, node_limit, time_limit, strict)
+    if extraction not in ("greedy", "ilp"):
+        raise ValueError(f"extraction must be 'greedy' or 'ilp', not {extraction!r}")
+    options = Options(target, list(rules), list(disable), unsafe, iter_limit, node_limit, time_limit, strict,
+                      profile=profile, extraction=extraction, ilp_time_limit=ilp_time_limit)
     return CompiledFunction(*run_pipeline(fn, example_inputs, options))
 
 

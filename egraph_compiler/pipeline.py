@@ -15,13 +15,14 @@ from dataclasses import dataclass, field
 from codegen.cpp import render_program
 
 from . import capture as capture_mod
-from .cost import PROFILES
+from .calibrate import profile_for
 from .dsl.library import check_unique, library_rules, load_user_rules, select
 from .dsl.parser import FuseRule
 from .egraph import encode, extract, saturate
 from .egraph.egg import EgglogSession
 from .egraph.facts import FactFeeder, needs_facts
-from .egraph.greedy import extract_kernels
+from .egraph import ilp
+from .egraph.greedy import build, extract_kernels
 from .errors import EgraphCompilerError, UnsupportedOpError
 from .graph import Graph
 from .lower import lower_kernel
@@ -43,6 +44,8 @@ class Options:
     time_limit: float = 10.0
     strict: bool = False
     profile: str | None = None
+    extraction: str = "greedy"  # greedy | ilp
+    ilp_time_limit: float = 5.0
 
 
 @dataclass
@@ -66,6 +69,31 @@ def run_pipeline(fn, example_inputs, options: Options):
     if options.target != "cpu":
         raise EgraphCompilerError(f"target {options.target!r} is not available; use target='cpu'")
     levels = Levels()
+    graph, eclasses, report = build_egraph(fn, example_inputs, options, levels)
+
+    profile = profile_for(options.profile or options.target)
+    clock = time.perf_counter()
+    plan = _extract(eclasses, graph, profile, options)
+    plan.rules_fired = dict(report.matches)
+    levels.timings["extract"] = time.perf_counter() - clock
+    levels.plan = str(plan) + "\n\n" + str(plan.graph)
+    _warn_fallbacks(plan)
+
+    buffer_names = _buffer_names(plan.graph, plan)
+    loops = [lower_kernel(k, buffer_names) for k in plan.kernels if k.kind == "generated"]
+    levels.loops = "\n\n".join(str(k) for k in loops)
+    levels.source = render_program(loops)
+    clock = time.perf_counter()
+    executable = Executable(plan, buffer_names, levels.source)
+    levels.timings["load"] = time.perf_counter() - clock
+    if os.environ.get(DEBUG_ENV):
+        print(levels, file=sys.stderr)
+    return executable, plan, report, levels
+
+
+def build_egraph(fn, example_inputs, options: Options, levels: Levels | None = None):
+    """capture -> encode -> rules -> saturate; returns (graph, typed e-classes, report)."""
+    levels = levels or Levels()
     clock = time.perf_counter()
     graph, levels.aten = capture_mod.capture(fn, example_inputs)
     levels.graph = str(graph)
@@ -79,33 +107,33 @@ def run_pipeline(fn, example_inputs, options: Options):
     session.run(encode.declarations())
     session.run(encode.encode_graph(graph)[0])
     saturate.install_rules(session, rules)
-    schedule = fusion_last_schedule(rules)
     limits = saturate.Limits(options.iter_limit, options.node_limit, options.time_limit)
     feeder = FactFeeder(session, graph) if needs_facts(rules) else None
-    report = saturate.saturate(session, schedule, limits, feeder)
+    report = saturate.saturate(session, fusion_last_schedule(rules), limits, feeder)
     levels.egraph = str(report)
-
-    profile = PROFILES[options.profile or options.target]
-    clock = time.perf_counter()
     eclasses = extract.load(session.serialized(), graph)
     extract.infer_types(eclasses, graph)
-    best, dag_cost = extract_kernels(eclasses, graph, profile)
-    plan = make_plan(best, profile, report.matches)
-    plan.extraction = f"extraction: greedy DAG cost {dag_cost * 1e6:.1f}us over {eclasses.enode_count} e-nodes"
-    levels.timings["extract"] = time.perf_counter() - clock
-    levels.plan = str(plan) + "\n\n" + str(best)
-    _warn_fallbacks(plan)
+    return graph, eclasses, report
 
-    buffer_names = _buffer_names(best, plan)
-    loops = [lower_kernel(k, buffer_names) for k in plan.kernels if k.kind == "generated"]
-    levels.loops = "\n\n".join(str(k) for k in loops)
-    levels.source = render_program(loops)
-    clock = time.perf_counter()
-    executable = Executable(plan, buffer_names, levels.source)
-    levels.timings["load"] = time.perf_counter() - clock
-    if os.environ.get(DEBUG_ENV):
-        print(levels, file=sys.stderr)
-    return executable, plan, report, levels
+
+def _extract(eclasses, graph: Graph, profile, options: Options) -> Plan:
+    """Greedy by default; with extraction='ilp' also the integer program, and
+    the plan with the lower estimated cost wins.  Both costs are reported."""
+    best, dag_cost = extract_kernels(eclasses, graph, profile)
+    plan = make_plan(best, profile)
+    plan.extraction = (f"extraction: greedy (DAG cost {dag_cost * 1e6:.1f}us, plan {plan.cost * 1e6:.1f}us) "
+                       f"over {eclasses.enode_count} e-nodes")
+    if options.extraction != "ilp":
+        return plan
+    result = ilp.solve(eclasses, profile, options.ilp_time_limit)
+    if result.choice is None:
+        plan.extraction += f"; ilp: {result.status}, kept greedy"
+        return plan
+    ilp_plan = make_plan(build(eclasses, ilp.as_extractor(eclasses, profile, result.choice), graph), profile)
+    winner = ilp_plan if ilp_plan.cost < plan.cost else plan
+    winner.extraction = (plan.extraction + f"; ilp: {result.status}, objective {result.objective * 1e6:.1f}us, "
+                         f"plan {ilp_plan.cost * 1e6:.1f}us; chose {'ilp' if winner is ilp_plan else 'greedy'}")
+    return winner
 
 
 def fusion_last_schedule(rules) -> list[list[str]]:
