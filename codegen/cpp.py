@@ -1,6 +1,7 @@
 """C++ renderer: loop IR -> one OpenMP-parallel, vectorisable C++ function per
 kernel.  The outer loop is `omp parallel for`, inner loops are `omp simd`
-(with a reduction clause for accumulators)."""
+(with a reduction clause for accumulators).  Transcendentals call the C
+library by name so that, with glibc's vector math library, they vectorise."""
 from __future__ import annotations
 
 from egraph_compiler.loopir import LoopKernel
@@ -11,15 +12,15 @@ CTYPES = {"float32": "float", "float64": "double", "bool": "bool", "int64": "int
 PARALLEL_MIN = 1 << 15  # below this many elements, threads cost more than they save
 
 SCALAR_OPS = {
-    "exp": "std::exp({0})", "log": "std::log({0})", "tanh": "std::tanh({0})", "erf": "std::erf({0})",
-    "relu": "std::max({0}, 0.0f)", "sigmoid": "(1.0f / (1.0f + std::exp(-({0}))))", "neg": "(-({0}))",
-    "abs": "std::fabs({0})", "sqrt": "std::sqrt({0})", "rsqrt": "(1.0f / std::sqrt({0}))",
-    "silu": "(({0}) / (1.0f + std::exp(-({0}))))",
-    "gelu": "(0.5f * ({0}) * (1.0f + std::erf(({0}) * 0.7071067811865476f)))",
-    "gelu_tanh": "(0.5f * ({0}) * (1.0f + std::tanh(0.7978845608028654f * (({0}) + 0.044715f * ({0}) * ({0}) * ({0})))))",
+    "exp": "expf({0})", "log": "logf({0})", "tanh": "tanhf({0})", "erf": "erff({0})",
+    "relu": "std::max({0}, 0.0f)", "sigmoid": "(1.0f / (1.0f + expf(-({0}))))", "neg": "(-({0}))",
+    "abs": "std::fabs({0})", "sqrt": "sqrtf({0})", "rsqrt": "(1.0f / sqrtf({0}))",
+    "silu": "(({0}) / (1.0f + expf(-({0}))))",
+    "gelu": "(0.5f * ({0}) * (1.0f + erff(({0}) * 0.7071067811865476f)))",
+    "gelu_tanh": "(0.5f * ({0}) * (1.0f + tanhf(0.7978845608028654f * (({0}) + 0.044715f * ({0}) * ({0}) * ({0})))))",
     "cast": "static_cast<float>({0})",
     "add": "(({0}) + ({1}))", "sub": "(({0}) - ({1}))", "mul": "(({0}) * ({1}))", "div": "(({0}) / ({1}))",
-    "maximum": "egc_maximum({0}, {1})", "pow": "std::pow({0}, {1})",
+    "maximum": "egc_maximum({0}, {1})", "pow": "powf({0}, {1})",
     "gt": "(({0}) > ({1}))", "ge": "(({0}) >= ({1}))", "lt": "(({0}) < ({1}))", "le": "(({0}) <= ({1}))",
     "eq": "(({0}) == ({1}))", "ne": "(({0}) != ({1}))",
     "where": "(({0}) ? ({1}) : ({2}))",
@@ -28,6 +29,15 @@ SCALAR_OPS = {
 PRELUDE = """#include <cmath>
 #include <cstdint>
 #include <algorithm>
+#ifdef EGC_VECTOR_MATH  // glibc's vector math library: SIMD variants of these, for `omp simd` loops
+extern "C" {
+__attribute__((simd("notinbranch"))) float expf(float);
+__attribute__((simd("notinbranch"))) float logf(float);
+__attribute__((simd("notinbranch"))) float tanhf(float);
+__attribute__((simd("notinbranch"))) float erff(float);
+__attribute__((simd("notinbranch"))) float powf(float, float);
+}
+#endif
 static inline float egc_maximum(float a, float b) { return (a != a || a > b) ? a : ((b != b) ? b : std::max(a, b)); }
 """
 

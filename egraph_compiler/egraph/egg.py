@@ -43,9 +43,10 @@ class EgglogSession:
         return IterationResult(bool(report.updated), dict(report.num_matches_per_rule))
 
     def size(self) -> int:
-        """Number of e-nodes over all functions (the node limit's measure)."""
+        """Number of e-nodes: rows of the constructors (capitalised), not of
+        the fact tables and relations (lowercase)."""
         (out,) = self.run("(print-size)")
-        return sum(count for _, count in out.sizes)
+        return sum(count for name, count in out.sizes if name[:1].isupper())
 
     def serialized(self) -> dict:
         return json.loads(self._egraph.serialize([]).to_json())

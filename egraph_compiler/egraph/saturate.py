@@ -33,12 +33,18 @@ class Report:
     enodes: int = 0
     seconds: float = 0.0
     matches: Counter = field(default_factory=Counter)  # rule name -> matches
-    phases: list[tuple[str, str, int]] = field(default_factory=list)  # (phase, stop reason, iterations)
+    # (groups, stop reason, iterations, e-nodes before, e-nodes after, seconds), one per phase
+    phases: list[tuple[str, str, int, int, int, float]] = field(default_factory=list)
 
     def __str__(self) -> str:
         fired = ", ".join(f"{name} x{n}" for name, n in sorted(self.matches.items()) if n) or "none"
-        return (f"saturation: {self.stop_reason} after {self.iterations} iteration(s), "
-                f"{self.enodes} e-nodes, {self.seconds:.3f}s\n  rules fired: {fired}")
+        lines = [f"saturation: {self.stop_reason} after {self.iterations} iteration(s), "
+                 f"{self.enodes} e-nodes, {self.seconds:.3f}s"]
+        for groups, reason, count, before, after, seconds in self.phases:
+            lines.append(f"  phase [{groups}]: {reason} after {count} iteration(s), "
+                         f"e-nodes {before} -> {after}, {seconds:.3f}s")
+        lines.append(f"  rules fired: {fired}")
+        return "\n".join(lines)
 
 
 def install_rules(session: EgglogSession, rules: list[Rule]) -> None:
@@ -59,8 +65,10 @@ def saturate(session: EgglogSession, schedule: list[list[str]], limits: Limits, 
             continue
         phase = f"phase{number}"
         session.run(f"(unstable-combined-ruleset {phase} {' '.join(ruleset_name(g) for g in groups)})")
+        before, phase_start = session.size(), time.perf_counter()
         reason, count = _run_phase(session, phase, limits, report, start, feeder)
-        report.phases.append(("+".join(groups), reason, count))
+        report.phases.append((", ".join(groups), reason, count, before, session.size(),
+                              time.perf_counter() - phase_start))
         if reason != SATURATED:
             report.stop_reason = reason
             break

@@ -1,0 +1,79 @@
+"""Kernel boundaries chosen in the e-graph: the plans issue 4 expects."""
+import re
+
+import torch
+from torch._inductor.utils import run_and_get_code
+
+import egraph_compiler as egc
+from egraph_compiler import workloads
+from egraph_compiler.plan import check_plan
+
+
+def compiled_workload(name):
+    fn, inputs = workloads.make(name, "test")
+    compiled = egc.compile(fn, inputs)
+    check_plan(compiled.plan)
+    torch.testing.assert_close(compiled(*inputs), fn(*inputs), atol=1e-4, rtol=1e-4)
+    return compiled
+
+
+def kernel_ops(kernel):
+    return [n.op for n in kernel.ops if n.group != "boundary"]
+
+
+def test_ln_relu_is_one_kernel():
+    plan = compiled_workload("ln_relu").plan
+    assert len(plan.kernels) == 1 and kernel_ops(plan.kernels[0]) == ["layer_norm", "relu"], str(plan)
+
+
+def test_hand_written_softmax_is_one_row_kernel():
+    plan = compiled_workload("softmax").plan
+    assert len(plan.kernels) == 1 and plan.kernels[0].kind == "generated", str(plan)
+
+
+def test_softmax_stays_one_kernel_without_the_composite():
+    """With softmax recomposition off, fusion alone still makes one row kernel."""
+    fn, inputs = workloads.make("softmax", "test")
+    compiled = egc.compile(fn, inputs, disable=["softmax"])
+    assert len(compiled.plan.kernels) == 1, str(compiled.plan)
+    assert sorted(kernel_ops(compiled.plan.kernels[0])) == ["amax", "div", "exp", "sub", "sum"]
+    torch.testing.assert_close(compiled(*inputs), fn(*inputs))
+
+
+def test_rmsnorm_swiglu_fuses_norm_and_gate():
+    plan = compiled_workload("rmsnorm_swiglu").plan
+    generated = [kernel_ops(k) for k in plan.kernels if k.kind == "generated"]
+    assert any("rms_norm" in ops for ops in generated) and ["silu", "mul"] in generated, str(plan)
+    assert len(generated) == 2
+
+
+def test_str_plan_shows_fusion_groups_and_kernel_estimates():
+    plan = compiled_workload("mlp_gelu").plan
+    text = str(plan)
+    assert "gelu_tanh" in text and "flops=" in text and "bytes=" in text and "est=" in text
+    assert any(" -> " in str(k) for k in plan.kernels) or len(plan.kernels) == 3
+    kernel = next(k for k in plan.kernels if k.kind == "generated")
+    assert kernel.flops > 0 and kernel.bytes > 0 and kernel.seconds > 0
+
+
+def inductor_kernel_count(fn, inputs) -> int:
+    torch._dynamo.reset()
+    _, codes = run_and_get_code(torch.compile(fn), *inputs)
+    code = "\n".join(codes)
+    generated = len(set(re.findall(r"(cpp_fused_\w+) = async_compile", code)))
+    library = len(re.findall(r"extern_kernels\.\w+\(", code)) + len(re.findall(r"torch\.ops\.aten\.\w+\.\w+\(", code))
+    return generated + library
+
+
+def test_gpt_block_needs_no_more_kernels_than_inductor():
+    fn, inputs = workloads.make("gpt_block", "test")
+    ours = compiled_workload("gpt_block").plan
+    theirs = inductor_kernel_count(fn, inputs)
+    assert 0 < len(ours.kernels) <= theirs, f"ours {len(ours.kernels)} vs inductor {theirs}\n{ours}"
+
+
+def test_fusion_can_be_switched_off():
+    fn, inputs = workloads.make("ln_relu", "test")
+    compiled = egc.compile(fn, inputs, disable=["fusion"])
+    assert len(compiled.plan.kernels) == 2
+    torch.testing.assert_close(compiled(*inputs), fn(*inputs), atol=1e-4, rtol=1e-4)
