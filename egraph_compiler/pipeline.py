@@ -103,17 +103,32 @@ def build_egraph(fn, example_inputs, options: Options, levels: Levels | None = N
     rules = select(rules, options.disable, options.unsafe)
     levels.timings["capture"] = time.perf_counter() - clock
 
-    session = EgglogSession()
-    session.run(encode.declarations())
-    session.run(encode.encode_graph(graph)[0])
-    saturate.install_rules(session, rules)
-    limits = saturate.Limits(options.iter_limit, options.node_limit, options.time_limit)
-    feeder = FactFeeder(session, graph) if needs_facts(rules) else None
-    report = saturate.saturate(session, fusion_last_schedule(rules), limits, feeder)
-    levels.egraph = str(report)
-    eclasses = extract.load(session.serialized(), graph)
+    with _session_for(rules).scope() as session:
+        session.run(encode.encode_graph(graph)[0])
+        limits = saturate.Limits(options.iter_limit, options.node_limit, options.time_limit)
+        feeder = FactFeeder(session, graph) if needs_facts(rules) else None
+        report = saturate.saturate(session, fusion_last_schedule(rules), limits, feeder)
+        levels.egraph = str(report)
+        eclasses = extract.load(session.serialized(), graph)
     extract.infer_types(eclasses, graph)
     return graph, eclasses, report
+
+
+_SESSIONS: dict[tuple, EgglogSession] = {}
+
+
+def _session_for(rules) -> EgglogSession:
+    """An egglog session with these rules installed, reused across compiles
+    (installing the library takes longer than saturating a small program)."""
+    key = tuple((r.location, r.name, r.group, r.text) for r in rules)
+    if key not in _SESSIONS:
+        if len(_SESSIONS) >= 8:
+            _SESSIONS.pop(next(iter(_SESSIONS)))
+        session = EgglogSession()
+        session.run(encode.declarations())
+        saturate.install_rules(session, rules)
+        _SESSIONS[key] = session
+    return _SESSIONS[key]
 
 
 def _extract(eclasses, graph: Graph, profile, options: Options) -> Plan:

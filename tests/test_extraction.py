@@ -81,14 +81,14 @@ def test_compile_with_ilp_reports_both_costs():
     torch.testing.assert_close(compiled(*inputs), fn(*inputs), atol=1e-4, rtol=1e-4)
 
 
-def _median_time(fn, args, repeat=15):
+def _best_time(fn, args, repeat=15):
     fn(*args)
     times = []
     for _ in range(repeat):
         start = time.perf_counter()
         fn(*args)
         times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+    return min(times)  # the least disturbed run: robust to a busy machine
 
 
 def test_cost_model_ranks_fused_below_unfused_like_the_clock():
@@ -97,7 +97,7 @@ def test_cost_model_ranks_fused_below_unfused_like_the_clock():
     unfused = egc.compile(fn, inputs, disable=["fusion"])
     assert len(fused.plan.kernels) < len(unfused.plan.kernels)
     assert fused.plan.cost < unfused.plan.cost
-    assert _median_time(fused, inputs) < _median_time(unfused, inputs)
+    assert _best_time(fused, inputs) < _best_time(unfused, inputs)
 
 
 def test_cost_model_ranks_sdpa_below_naive_attention_like_the_clock():
@@ -106,7 +106,7 @@ def test_cost_model_ranks_sdpa_below_naive_attention_like_the_clock():
     naive = egc.compile(fn, inputs, disable=["attention"])
     assert sdpa.plan.count("sdpa") == 1 and naive.plan.count("sdpa") == 0
     assert sdpa.plan.cost < naive.plan.cost
-    assert _median_time(sdpa, inputs) < _median_time(naive, inputs)
+    assert _best_time(sdpa, inputs) < _best_time(naive, inputs)
 
 
 def test_associativity_picks_the_chain_the_clock_prefers():
@@ -115,4 +115,4 @@ def test_associativity_picks_the_chain_the_clock_prefers():
     chosen = egc.compile(fn, [a, b, c])
     written = egc.compile(fn, [a, b, c], disable=["matmul_assoc"])
     assert chosen.plan.cost < written.plan.cost
-    assert _median_time(chosen, (a, b, c)) < _median_time(written, (a, b, c))
+    assert _best_time(chosen, (a, b, c)) < _best_time(written, (a, b, c))

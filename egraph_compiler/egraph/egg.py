@@ -8,6 +8,7 @@ e-graph as plain Python data for extraction.
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from egglog.bindings import EGraph, EggSmolError
@@ -36,6 +37,18 @@ class EgglogSession:
             return self._egraph.run_program(*self._egraph.parse_program(text))
         except EggSmolError as exc:
             raise EgglogError(f"egglog rejected generated program: {exc}\n--- program ---\n{text[:4000]}") from exc
+
+    @contextmanager
+    def scope(self):
+        """Everything added inside is dropped on exit (egglog push/pop), so a
+        session with rules installed serves many programs."""
+        mark = len(self.program)
+        self.run("(push)")
+        try:
+            yield self
+        finally:
+            self.run("(pop)")
+            del self.program[mark:]
 
     def run_iteration(self, ruleset: str) -> IterationResult:
         (out,) = self.run(f"(run {ruleset} 1)")
