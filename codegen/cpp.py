@@ -71,12 +71,16 @@ def render_kernel(k: LoopKernel) -> str:
     if parallel:
         lines.append("  #pragma omp parallel for schedule(static)")
     lines.append(f"  for (int64_t o = 0; o < {k.outer}; ++o) {{")
-    for red in k.reductions:
+    for i, red in enumerate(k.reductions):
         init, pragma, step, finish = _REDUCTIONS[red.combiner]
         body = render_expr(red.body, TARGET)
         lines.append(init.format(acc=red.acc))
         lines.append(pragma.format(acc=red.acc))
-        lines.append(f"    for (int64_t r = 0; r < {k.inner}; ++r) " + step.format(acc=red.acc, v=body))
+        step = step.format(acc=red.acc, v=body)
+        if k.stash_last and i == len(k.reductions) - 1:
+            stash = f"{k.store_param}[{k.store_index}]"
+            step = f"{{ const float s = {body}; {stash} = s; {_REDUCTIONS[red.combiner][2].format(acc=red.acc, v='s')[2:-2]} }}"
+        lines.append(f"    for (int64_t r = 0; r < {k.inner}; ++r) " + step)
         if finish:
             lines.append(finish.format(acc=red.acc))
     value = render_expr(k.value, TARGET)

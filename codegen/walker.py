@@ -25,6 +25,9 @@ def render_expr(expr, target: Target) -> str:
     if isinstance(expr, Acc):
         return expr.name
     assert isinstance(expr, Call), expr
+    if expr.op == "div" and isinstance(expr.args[1], Acc):  # a row-invariant divisor: one reciprocal per row
+        reciprocal = target.ops["div"].format(target.const(1.0), expr.args[1].name)
+        return target.ops["mul"].format(render_expr(expr.args[0], target), reciprocal)
     if expr.op == "pow" and isinstance(expr.args[1], Const) and expr.args[1].value in target.pow_special:
         return target.pow_special[expr.args[1].value].format(render_expr(expr.args[0], target))
     fmt = target.ops.get(expr.op)

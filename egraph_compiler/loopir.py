@@ -138,12 +138,17 @@ class LoopKernel:
     store_index: Affine = field(default_factory=Affine)
     value: object = None
     store_in_inner: bool = True  # False: one store per outer index (a reduction's result)
+    # The last reduction also writes its body into the output, and `value` reads it back
+    # there instead of computing it again (softmax: exp once per element, not twice).
+    stash_last: bool = False
 
     def __str__(self) -> str:
         params = ", ".join(f"{p.role} {p.name}: {p.dtype}" for p in self.params)
         lines = [f"kernel {self.name}({params}):", f"  for o in 0..{self.outer} (parallel):"]
-        for red in self.reductions:
-            lines.append(f"    {red.acc} = {red.combiner} over r in 0..{self.inner}: {expr_str(red.body)}")
+        for i, red in enumerate(self.reductions):
+            stash = (f"  (stash in {self.store_param}[{self.store_index}])"
+                     if self.stash_last and i == len(self.reductions) - 1 else "")
+            lines.append(f"    {red.acc} = {red.combiner} over r in 0..{self.inner}: {expr_str(red.body)}{stash}")
         if self.store_in_inner:
             lines.append(f"    for r in 0..{self.inner} (vector):")
             lines.append(f"      {self.store_param}[{self.store_index}] = {expr_str(self.value)}")
@@ -160,3 +165,16 @@ def expr_str(e) -> str:
     if isinstance(e, Acc):
         return e.name
     return f"{e.op}(" + ", ".join(expr_str(a) for a in e.args) + ")"
+
+
+def substitute(expr, old, new):
+    """`expr` with every occurrence of the subexpression `old` replaced by `new`."""
+    if expr == old:
+        return new
+    if isinstance(expr, Call):
+        return Call(expr.op, tuple(substitute(a, old, new) for a in expr.args))
+    return expr
+
+
+def contains(expr, sub) -> bool:
+    return expr == sub or (isinstance(expr, Call) and any(contains(a, sub) for a in expr.args))

@@ -15,7 +15,7 @@ import math
 
 from .errors import CodegenError
 from .graph import Node, const
-from .loopir import Acc, Affine, Call, Const, Load, LoopKernel, Param, Reduction
+from .loopir import Acc, Affine, Call, Const, Load, LoopKernel, Param, Reduction, contains, substitute
 from .plan import Kernel
 
 
@@ -82,8 +82,22 @@ def lower_kernel(kernel: Kernel, buffer_names: dict[int, str]) -> LoopKernel:
         out_index = lowering.linear(lowering.index, root.shape)
     params = [Param(buffer_names[id(n)], n.dtype, "in") for n in kernel.inputs]
     params.append(Param(buffer_names[id(root)], root.dtype, "out"))
-    return LoopKernel(kernel.name, params, lowering.outer, lowering.inner, lowering.reductions,
-                      buffer_names[id(root)], out_index, value, not reduce_root)
+    out = LoopKernel(kernel.name, params, lowering.outer, lowering.inner, lowering.reductions,
+                     buffer_names[id(root)], out_index, value, not reduce_root)
+    _stash_last_reduction(out, root.dtype)
+    return out
+
+
+def _stash_last_reduction(k: LoopKernel, dtype: str) -> None:
+    """When the store recomputes the last reduction's body at the same element,
+    write the body to the output during the reduction and read it back."""
+    if not (k.store_in_inner and k.reductions and dtype == "float32"):
+        return
+    body = k.reductions[-1].body
+    if isinstance(body, (Load, Const)) or not contains(k.value, body):
+        return
+    k.value = substitute(k.value, body, Load(k.store_param, k.store_index))
+    k.stash_last = True
 
 
 def _computed(root: Node):
