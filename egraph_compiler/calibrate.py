@@ -2,9 +2,9 @@
 CPU's, calibrated on first use by a short measurement and cached on disk.
 
 The measurement (well under a second): copy bandwidth (a 64 MB copy), the
-FLOP rate of simple fused arithmetic on cache-resident data (what generated
-loops reach), matmul FLOP rate (what the library reaches), and the fixed cost
-of one kernel call.
+rate of vectorised exp on cache-resident data in the op table's FLOP units
+(what generated loops reach), matmul FLOP rate (what the library reaches),
+and the fixed cost of one kernel call.
 """
 from __future__ import annotations
 
@@ -15,10 +15,11 @@ import time
 
 import torch
 
+from . import ops
 from .cost import PROFILES, DeviceProfile
 from .runtime import cache_dir
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2
 
 
 def _median_seconds(fn, repeat: int = 7) -> float:
@@ -35,10 +36,12 @@ def measure_cpu() -> DeviceProfile:
     n = 1 << 24  # 64 MB of float32
     src, dst = torch.ones(n), torch.empty(n)
     bandwidth = 2 * 4 * n / _median_seconds(lambda: dst.copy_(src))
-    small = torch.ones(1 << 15)
+    # exp on a cache-resident buffer: compute-bound vector code, counted at the
+    # op table's FLOPs per exp (the unit the cost model charges generated code in)
+    small = torch.rand(1 << 18)
     work = torch.empty_like(small)
-    flops = 2 * small.numel() * 8 / _median_seconds(
-        lambda: [torch.addcmul(small, small, small, value=0.5, out=work) for _ in range(8)])
+    flops = ops.get("exp").flops * small.numel() * 4 / _median_seconds(
+        lambda: [torch.exp(small, out=work) for _ in range(4)])
     a, b = torch.randn(512, 512), torch.randn(512, 512)
     library = 2 * 512 ** 3 / _median_seconds(lambda: torch.mm(a, b))
     one = torch.ones(1)

@@ -16,8 +16,8 @@ from codegen.cpp import render_program
 
 from . import capture as capture_mod
 from .calibrate import profile_for
-from .dsl.library import check_unique, library_rules, load_user_rules, select
-from .dsl.parser import FuseRule
+from .dsl.library import check_unique, library_phases, library_rules, load_user_items, schedule, select
+from .dsl.parser import Phase
 from .egraph import encode, extract, saturate
 from .egraph.egg import EgglogSession
 from .egraph.facts import FactFeeder, needs_facts
@@ -98,16 +98,18 @@ def build_egraph(fn, example_inputs, options: Options, levels: Levels | None = N
     graph, levels.aten = capture_mod.capture(fn, example_inputs)
     levels.graph = str(graph)
     _check_externs(graph, options.strict)
-    rules = library_rules() + load_user_rules(options.rules)
+    user = load_user_items(options.rules)
+    rules = library_rules() + [r for r in user if not isinstance(r, Phase)]
     check_unique(rules)
     rules = select(rules, options.disable, options.unsafe)
+    phases = library_phases() + [p for p in user if isinstance(p, Phase)]
     levels.timings["capture"] = time.perf_counter() - clock
 
     with _session_for(rules).scope() as session:
         session.run(encode.encode_graph(graph)[0])
         limits = saturate.Limits(options.iter_limit, options.node_limit, options.time_limit)
         feeder = FactFeeder(session, graph) if needs_facts(rules) else None
-        report = saturate.saturate(session, fusion_last_schedule(rules), limits, feeder)
+        report = saturate.saturate(session, schedule(rules, phases), limits, feeder)
         levels.egraph = str(report)
         eclasses = extract.load(session.serialized(), graph)
     extract.infer_types(eclasses, graph)
@@ -149,14 +151,6 @@ def _extract(eclasses, graph: Graph, profile, options: Options) -> Plan:
     winner.extraction = (plan.extraction + f"; ilp: {result.status}, objective {result.objective * 1e6:.1f}us, "
                          f"plan {ilp_plan.cost * 1e6:.1f}us; chose {'ilp' if winner is ilp_plan else 'greedy'}")
     return winner
-
-
-def fusion_last_schedule(rules) -> list[list[str]]:
-    """Rewrite groups run together first; fusion groups run on what they found."""
-    fusion = [g for g in dict.fromkeys(r.group for r in rules) if all(
-        isinstance(x, FuseRule) for x in rules if x.group == g)]
-    rewrite = [g for g in dict.fromkeys(r.group for r in rules) if g not in fusion]
-    return [rewrite, fusion]
 
 
 def _buffer_names(graph: Graph, plan: Plan) -> dict[int, str]:

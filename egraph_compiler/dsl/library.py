@@ -2,11 +2,12 @@
 the selection a compile asks for (disabled names or groups, unsafe rules)."""
 from __future__ import annotations
 
+from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 
 from ..errors import RuleError
-from .parser import Rule, parse_file, parse_rules
+from .parser import FuseRule, Phase, Rule, parse_file, parse_rules
 
 
 def library_dir() -> Path:
@@ -19,22 +20,55 @@ def library_dir() -> Path:
     return Path(__file__).resolve().parents[2] / "rules"  # a source checkout
 
 
-def library_rules() -> list[Rule]:
-    rules: list[Rule] = []
+def _library_items() -> list:
+    items: list = []
     for path in sorted(library_dir().glob("*.rules")):
-        rules += parse_file(path)
-    return rules
+        items += _parse_cached(str(path), path.stat().st_mtime_ns)
+    return items
+
+
+@lru_cache(maxsize=64)
+def _parse_cached(path: str, mtime: int) -> tuple:
+    return tuple(parse_file(path))
+
+
+def library_rules() -> list[Rule]:
+    """The shipped rules and fusion statements (not the schedule)."""
+    return [r for r in _library_items() if not isinstance(r, Phase)]
+
+
+def library_phases() -> list[Phase]:
+    """The shipped schedule (`phase` statements, in file order)."""
+    return [p for p in _library_items() if isinstance(p, Phase)]
+
+
+def load_user_items(entries) -> list:
+    """Each entry is a path to a rules file or the text of rules."""
+    items: list = []
+    for k, entry in enumerate(entries or []):
+        if isinstance(entry, Path) or (isinstance(entry, str) and "\n" not in entry and entry.endswith(".rules")):
+            items += parse_file(entry)
+        else:
+            items += parse_rules(str(entry), f"<rules {k}>", group="user")
+    return items
 
 
 def load_user_rules(entries) -> list[Rule]:
-    """Each entry is a path to a rules file or the text of rules."""
-    rules: list[Rule] = []
-    for k, entry in enumerate(entries or []):
-        if isinstance(entry, Path) or (isinstance(entry, str) and "\n" not in entry and entry.endswith(".rules")):
-            rules += parse_file(entry)
-        else:
-            rules += parse_rules(str(entry), f"<rules {k}>", group="user")
-    return rules
+    return [r for r in load_user_items(entries) if not isinstance(r, Phase)]
+
+
+def schedule(rules, phases: list[Phase]) -> list[tuple[list[str], int | None]]:
+    """(groups, iteration limit) per phase.  Without phases: every rewrite
+    group together, then the fusion groups.  Groups no phase names (a user's
+    own) join the first phase."""
+    present = list(dict.fromkeys(r.group for r in rules))
+    if not phases:
+        fusion = [g for g in present if all(isinstance(r, FuseRule) for r in rules if r.group == g)]
+        return [([g for g in present if g not in fusion], None), (fusion, None)]
+    named = {g for p in phases for g in p.groups}
+    out = [([g for g in p.groups if g in present], p.iterations) for p in phases]
+    out[0] = (out[0][0] + [g for g in present if g not in named], out[0][1])
+    return out
 
 
 def check_unique(rules: list[Rule]) -> None:

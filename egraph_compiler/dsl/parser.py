@@ -16,62 +16,8 @@ import lark
 
 from .. import ops
 from ..errors import RuleError
-
-
-@dataclass(frozen=True)
-class Var:
-    name: str
-    sort: str  # "tensor" or an attribute kind
-
-
-@dataclass(frozen=True)
-class Lit:
-    value: object
-    sort: str  # "tensor" (a scalar constant) or an attribute kind
-
-
-@dataclass(frozen=True)
-class Pat:
-    op: str
-    args: tuple  # tensor operands, then attributes in op-table order
-
-
-@dataclass(frozen=True)
-class Arith:
-    """Arithmetic on attribute or constant values, computed when the rule fires."""
-    op: str  # + - * /
-    left: object
-    right: object
-    sort: str  # int or float
-
-
-@dataclass(frozen=True)
-class Query:
-    """A fact about a tensor variable's e-class: size(x, d), rank(x) or dtype(x)."""
-    kind: str
-    var: Var
-    dim: int = 0
-
-    @property
-    def sort(self) -> str:
-        return "str" if self.kind == "dtype" else "int"
-
-
-@dataclass(frozen=True)
-class Condition:
-    """`left op right`; a tensor variable against a number is a domain assumption."""
-    left: object  # Var or Query
-    op: str
-    right: tuple  # one term, or several for `in`
-
-    @property
-    def is_assumption(self) -> bool:
-        return isinstance(self.left, Var) and self.left.sort == "tensor"
-
-
-DTYPE_NAMES = {"f16": "float16", "bf16": "bfloat16", "f32": "float32", "f64": "float64", "i64": "int64",
-               "i32": "int32", "b8": "bool", "float16": "float16", "bfloat16": "bfloat16", "float32": "float32",
-               "float64": "float64", "int64": "int64", "int32": "int32", "bool": "bool"}
+from .terms import DTYPE_NAMES, Arith, Condition, Lit, Pat, Query, Var
+from .typecheck import side_mismatch
 
 
 @dataclass
@@ -96,6 +42,17 @@ class Rule:
 
 
 FUSE_CONDITIONS = {"same_domain": "the producer is a keepdim reduction over the consumer's index space"}
+
+
+@dataclass
+class Phase:
+    """`phase NAME: GROUP, ... [iterations N]`: groups that run together, in
+    file order, each phase until nothing changes or its iteration limit."""
+    name: str
+    groups: tuple[str, ...]
+    iterations: int | None = None
+    path: str = "<rules>"
+    line: int = 0
 
 
 @dataclass
@@ -186,6 +143,12 @@ class _Checker:
                 self.group, self.group_unsafe = str(name), any(str(f.children[0]) == "unsafe" for f in flags)
             elif stmt.data == "fuse_decl":
                 rules.append(self.fuse(stmt))
+            elif stmt.data == "phase_decl":
+                name, *groups = stmt.children
+                limit = None
+                if groups and isinstance(groups[-1], lark.Token) and groups[-1].type == "INT":
+                    limit = int(groups.pop())
+                rules.append(Phase(str(name), tuple(str(g) for g in groups), limit, self.path, stmt.meta.line))
             else:
                 rules.append(self.rule(stmt))
         return rules
@@ -238,6 +201,9 @@ class _Checker:
                 if var not in collect_vars(rhs):
                     self.error(f"variable {var!r} is bound on the left but not used on the right; "
                                "'<=>' needs both sides to use the same variables", lhs_tree.meta)
+        mismatch = side_mismatch(lhs, rhs)
+        if mismatch:
+            self.error(mismatch, rhs_tree.meta)
         conditions = self.conditions(conditions_tree, sorts) if conditions_tree is not None else []
         unsafe = self.group_unsafe or bool(flags)
         return Rule(str(name), self.group, lhs, rhs, both, unsafe, conditions, self.path, node.meta.line,

@@ -17,6 +17,7 @@ from .egg import EgglogSession
 from .encode import HIDDEN, rule_commands, ruleset_name
 
 SATURATED, ITERATION_LIMIT, NODE_LIMIT, TIME_LIMIT = "saturated", "iteration limit", "node limit", "time limit"
+PHASE_LIMIT = "phase iteration limit"  # a phase's own limit: the schedule moves on to the next phase
 
 
 @dataclass
@@ -53,23 +54,24 @@ def install_rules(session: EgglogSession, rules: list[Rule]) -> None:
     session.run("\n".join(cmd for r in rules for cmd in rule_commands(r)))
 
 
-def saturate(session: EgglogSession, schedule: list[list[str]], limits: Limits, feeder=None) -> Report:
+def saturate(session: EgglogSession, schedule: list[tuple[list[str], int | None]], limits: Limits,
+             feeder=None) -> Report:
     """Run the schedule.  `feeder` (a FactFeeder), when rules have shape
     conditions, gives new e-classes their facts after each iteration."""
     report = Report()
     start = time.perf_counter()
     if feeder is not None:
         feeder.feed()
-    for number, groups in enumerate(schedule):
+    for number, (groups, phase_limit) in enumerate(schedule):
         if not groups:
             continue
         phase = f"phase{number}"
         session.run(f"(unstable-combined-ruleset {phase} {' '.join(ruleset_name(g) for g in groups)})")
         before, phase_start = session.size(), time.perf_counter()
-        reason, count = _run_phase(session, phase, limits, report, start, feeder)
+        reason, count = _run_phase(session, phase, limits, report, start, feeder, phase_limit)
         report.phases.append((", ".join(groups), reason, count, before, session.size(),
                               time.perf_counter() - phase_start))
-        if reason != SATURATED:
+        if reason not in (SATURATED, PHASE_LIMIT):
             report.stop_reason = reason
             break
     report.enodes = session.size()
@@ -77,9 +79,11 @@ def saturate(session: EgglogSession, schedule: list[list[str]], limits: Limits, 
     return report
 
 
-def _run_phase(session, phase, limits, report, start, feeder) -> tuple[str, int]:
+def _run_phase(session, phase, limits, report, start, feeder, phase_limit) -> tuple[str, int]:
     count = 0
     while True:
+        if phase_limit is not None and count >= phase_limit:
+            return PHASE_LIMIT, count
         if report.iterations >= limits.iter_limit:
             return ITERATION_LIMIT, count
         if time.perf_counter() - start >= limits.time_limit:
