@@ -43,6 +43,11 @@ def test_bindings_and_conditions():
     ("rule r: sum(x, 1.5, true) => x\n", "user.rules:1:16: expected ints, got the number 1.5"),
     ("rule r: transpose(x, a, b) => mul(a, x)\n", "variable 'a' is used as int and as tensor"),
     ("rule r: sum(x, [-1], true, axis=3) => x\n", "sum has no attribute 'axis'"),
+    ("rule r: sum(x, [-1], false) => x\n",
+     "user.rules:1:32: the two sides have different ranks: rank(x) - 1 on the left, rank(x) on the right"),
+    ("rule r: gt(x, y) => mul(x, y)\n", "the left side gives a bool tensor but the right side a number tensor"),
+    ("rule r: mul(x, y) => x if size(x, -1) < z\n", "condition on unknown variable 'z'"),
+    ("fuse f: pointwise <- frobnicate\n", "'frobnicate' is neither an op nor a group"),
 ])
 def test_errors_name_file_line_column_and_what_was_expected(text, expected):
     message = error_of(text)
@@ -89,3 +94,24 @@ def test_unsafe_by_name():
 def test_bad_user_rule_text_through_the_api():
     with pytest.raises(egc.RuleError, match=r"<rules 0>:1:\d+"):
         egc.compile(torch.relu, [torch.randn(2)], rules=["rule oops: relu(x => x\n"])
+
+
+def test_schedule_phases_from_user_rules():
+    f = lambda x: torch.relu(torch.relu(torch.relu(x)))  # noqa: E731
+    x = torch.randn(4, 4)
+    text = ("phase mine: user iterations 1\n"
+            "rule relu_twice: relu(relu(x)) => relu(x)\n")
+    compiled = egc.compile(f, [x], rules=[text])
+    phases = [p[0] for p in compiled.report.phases]
+    assert phases[0].startswith("algebra") and "mine" not in phases[0]
+    assert any(p == "user" for p in phases), phases
+    mine = next(p for p in compiled.report.phases if p[0] == "user")
+    assert mine[1] == "phase iteration limit" and mine[2] == 1
+    torch.testing.assert_close(compiled(x), f(x))
+
+
+def test_library_schedule_runs_rewrites_before_fusion():
+    fn = lambda x: torch.exp(x) * 1.0  # noqa: E731
+    report = egc.compile(fn, [torch.randn(4, 4)]).report
+    groups = [p[0] for p in report.phases]
+    assert "fusion" in groups[-1] and "algebra" in groups[0]
