@@ -275,9 +275,11 @@ def _rms_norm(x, shape, w=None, eps=None):
     return Node.make("rms_norm", (x, w if w is not None else const(1.0)), {"ndim": len(shape), "eps": float(eps)})
 
 
-def _softmax(op):
-    def convert(x, dim, half_to_float=False, dtype=None):
-        if half_to_float or dtype is not None:
+def _softmax(op, internal=False):
+    """softmax.int(x, dim, dtype=None) or _softmax(x, dim, half_to_float)."""
+    def convert(x, dim, third=None, dtype=None):
+        dtype = dtype if internal else (third if third is not None else dtype)
+        if (internal and third) or (dtype is not None and str(dtype).removeprefix("torch.") != x.dtype):
             return None
         return Node.make(op, (x,), {"dim": ops.norm_dim(dim, len(x.shape)) - len(x.shape)})
     return convert
@@ -333,8 +335,9 @@ CONVERTERS = {
     aten.clone.default: _identity, aten.alias.default: _identity, aten.detach.default: _identity,
     aten.contiguous.default: _identity, aten.lift_fresh_copy.default: _identity,
     aten._to_copy.default: _cast, aten.to.dtype: lambda x, dtype, *a, **k: _cast(x, dtype),
-    aten.softmax.int: _softmax("softmax"), aten._softmax.default: _softmax("softmax"),
-    aten.log_softmax.int: _softmax("log_softmax"), aten._log_softmax.default: _softmax("log_softmax"),
+    aten.softmax.int: _softmax("softmax"), aten._softmax.default: _softmax("softmax", internal=True),
+    aten.log_softmax.int: _softmax("log_softmax"),
+    aten._log_softmax.default: _softmax("log_softmax", internal=True),
     aten.layer_norm.default: _layer_norm, aten.rms_norm.default: _rms_norm,
     aten.matmul.default: lambda a, b: Node.make("matmul", (a, b)),
     aten.mm.default: lambda a, b: Node.make("matmul", (a, b)),

@@ -83,3 +83,31 @@ def test_gpt_block_saturates_within_limits():
     compiled = compiled_workload("gpt_block")
     report = compiled.report
     assert report.stop_reason == "saturated" and report.seconds < 5 and report.enodes < 5000
+
+
+def bert_attention(q, k, v, mask):
+    scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(q.shape[-1]) + mask
+    return torch.matmul(F.softmax(scores, dim=-1), v)
+
+
+def llama_attention(q, k, v, causal):
+    weights = torch.matmul(q, k.transpose(2, 3)) / math.sqrt(q.shape[-1]) + causal
+    weights = F.softmax(weights, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(weights, v)
+
+
+def gpt2_attention(q, k, v, keep):
+    weights = torch.matmul(q, k.transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]))
+    weights = torch.where(keep, weights, float("-inf"))
+    return torch.matmul(torch.softmax(weights, dim=-1), v)
+
+
+def test_library_attention_styles_become_one_sdpa_call():
+    q, k, v = (torch.randn(2, 4, 8, 16) for _ in range(3))
+    additive = torch.randn(2, 1, 8, 8)
+    causal = torch.full((8, 8), float("-inf")).triu(1)
+    keep = torch.ones(8, 8, dtype=torch.bool).tril()
+    for fn, mask in [(bert_attention, additive), (llama_attention, causal), (gpt2_attention, keep)]:
+        compiled = egc.compile(fn, [q, k, v, mask])
+        assert compiled.plan.ops() == {"sdpa_mask": 1}, f"{fn.__name__}\n{compiled.plan}"
+        torch.testing.assert_close(compiled(q, k, v, mask), fn(q, k, v, mask), atol=1e-5, rtol=1e-5)

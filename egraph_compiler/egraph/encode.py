@@ -56,7 +56,7 @@ def literal(value, kind: str) -> str:
         return json.dumps(str(value))
     value = float(value)
     if math.isinf(value):
-        return "(/ 1.0 0.0)" if value > 0 else "(/ -1.0 0.0)"
+        return "inf" if value > 0 else "-inf"
     if math.isnan(value):
         raise ValueError("NaN constants cannot be encoded")
     text = repr(value)
