@@ -30,6 +30,7 @@ from .plan import Plan, make_plan
 from .runtime import Executable
 
 DEBUG_ENV = "EGC_DEBUG"
+PROFILE_ENV = "EGC_PROFILE"  # the default device profile (tests pin "cpu-default" for stable plans)
 _warned: set[str] = set()
 
 
@@ -71,7 +72,7 @@ def run_pipeline(fn, example_inputs, options: Options):
     levels = Levels()
     graph, eclasses, report = build_egraph(fn, example_inputs, options, levels)
 
-    profile = profile_for(options.profile or options.target)
+    profile = profile_for(options.profile or os.environ.get(PROFILE_ENV) or options.target)
     clock = time.perf_counter()
     plan = _extract(eclasses, graph, profile, options)
     plan.rules_fired = dict(report.matches)

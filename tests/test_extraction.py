@@ -96,19 +96,20 @@ def _faster(first, second, args, rounds=25) -> bool:
 def test_cost_model_ranks_fused_below_unfused_like_the_clock():
     fn = lambda x: torch.tanh(torch.exp(-x) * 2.0 + 1.0)  # noqa: E731
     inputs = (torch.randn(2048, 1024),)
-    fused = egc.compile(fn, inputs)
-    unfused = egc.compile(fn, inputs, disable=["fusion"])
+    fused = egc.compile(fn, inputs, profile="cpu")
+    unfused = egc.compile(fn, inputs, disable=["fusion"], profile="cpu")
     assert len(fused.plan.kernels) == 1 and len(unfused.plan.kernels) > 2
     assert fused.plan.cost < unfused.plan.cost
     assert _faster(fused, unfused, inputs)
     ln_relu, ln_inputs = workloads.make("ln_relu", "cpu")
-    assert egc.compile(ln_relu, ln_inputs).plan.cost < egc.compile(ln_relu, ln_inputs, disable=["fusion"]).plan.cost
+    assert (egc.compile(ln_relu, ln_inputs, profile="cpu").plan.cost
+            < egc.compile(ln_relu, ln_inputs, disable=["fusion"], profile="cpu").plan.cost)
 
 
 def test_cost_model_ranks_sdpa_below_naive_attention_like_the_clock():
     fn, inputs = workloads.make("attention", "cpu")
-    sdpa = egc.compile(fn, inputs)
-    naive = egc.compile(fn, inputs, disable=["attention"])
+    sdpa = egc.compile(fn, inputs, profile="cpu")
+    naive = egc.compile(fn, inputs, disable=["attention"], profile="cpu")
     assert sdpa.plan.count("sdpa") == 1 and naive.plan.count("sdpa") == 0
     assert sdpa.plan.cost < naive.plan.cost
     assert _faster(sdpa, naive, inputs)
@@ -117,7 +118,7 @@ def test_cost_model_ranks_sdpa_below_naive_attention_like_the_clock():
 def test_associativity_picks_the_chain_the_clock_prefers():
     a, b, c = torch.randn(256, 1024), torch.randn(1024, 1024), torch.randn(1024, 4)
     fn = lambda a, b, c: (a @ b) @ c  # noqa: E731
-    chosen = egc.compile(fn, [a, b, c])
-    written = egc.compile(fn, [a, b, c], disable=["matmul_assoc"])
+    chosen = egc.compile(fn, [a, b, c], profile="cpu")
+    written = egc.compile(fn, [a, b, c], disable=["matmul_assoc"], profile="cpu")
     assert chosen.plan.cost < written.plan.cost
     assert _faster(chosen, written, (a, b, c))

@@ -108,6 +108,13 @@ def test_library_attention_styles_become_one_sdpa_call():
     causal = torch.full((8, 8), float("-inf")).triu(1)
     keep = torch.ones(8, 8, dtype=torch.bool).tril()
     for fn, mask in [(bert_attention, additive), (llama_attention, causal), (gpt2_attention, keep)]:
-        compiled = egc.compile(fn, [q, k, v, mask])
+        compiled = egc.compile(fn, [q, k, v, mask], unsafe=["attention_bool_mask"])
         assert compiled.plan.ops() == {"sdpa_mask": 1}, f"{fn.__name__}\n{compiled.plan}"
         torch.testing.assert_close(compiled(q, k, v, mask), fn(q, k, v, mask), atol=1e-5, rtol=1e-5)
+
+
+def test_boolean_mask_attention_stays_primitive_unless_asked():
+    q, k, v = (torch.randn(1, 2, 4, 8) for _ in range(3))
+    keep = torch.ones(4, 4, dtype=torch.bool).tril()
+    plan = egc.compile(gpt2_attention, [q, k, v, keep]).plan
+    assert plan.count("sdpa_mask") == 0 and plan.count("softmax") == 1

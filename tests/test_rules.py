@@ -18,7 +18,7 @@ def test_library_parses_with_named_commented_rules():
     rules = library_rules()
     names = {r.name for r in rules}
     assert {"mul_one", "add_zero", "transpose_transpose", "exp_log"} <= names
-    assert {r.name for r in rules if r.unsafe} == {"exp_log", "log_exp"}
+    assert {r.name for r in rules if r.unsafe} == {"exp_log", "log_exp", "attention_bool_mask"}
 
 
 def test_rule_parts():

@@ -135,14 +135,15 @@ def _instance(rule, pattern, rng, gen, dtype, profile, domain):
         if sum(math.prod(s) for s in shapes.values()) > MAX_NUMEL:
             continue
         attrs = {n: _draw_attr(n, s, shapes, rule, rng) for n, s in attr_vars.items()}
-        if not all(_holds(c, shapes, attrs, dtype) for c in matching):
+        var_dtypes = {n: _fixed_dtype(rule, n) or dtype for n in tensor_vars}
+        if not all(_holds(c, shapes, attrs, var_dtypes) for c in matching):
             continue
         try:
             _shape(pattern, shapes, attrs)
         except Exception:  # the op table's shape rule rejects it: draw again
             continue
         tensors = {n: _values(shapes[n], dtype, profile, _domain(rule, n, attrs) if domain else [], gen)
-                   for n in tensor_vars}
+                   if var_dtypes[n] != torch.bool else _mask(shapes[n], gen) for n in tensor_vars}
         if any(v is None for v in tensors.values()):
             continue
         try:
@@ -229,19 +230,41 @@ def _shape_like(shape, rng) -> list:
     return bins
 
 
-def _holds(cond: Condition, shapes, attrs, dtype) -> bool:
-    left, right = _cond_term(cond.left, shapes, attrs, dtype), [_cond_term(r, shapes, attrs, dtype) for r in cond.right]
+def _fixed_dtype(rule, name):
+    """A dtype a `dtype(name) == X` condition fixes to a non-float type (a boolean mask), else None."""
+    for c in rule.conditions:
+        if isinstance(c.left, Query) and c.left.kind == "dtype" and c.left.var.name == name:
+            dtype = getattr(torch, c.right[0].value, None)
+            if dtype is not None and not dtype.is_floating_point:
+                return dtype
+    return None
+
+
+def _mask(shape, gen):
+    """A boolean mask that keeps at least one entry in every row (the last dim),
+    the domain of masked-attention rules: a fully masked row is NaN in the
+    primitive form but 0 in the library call."""
+    keep = torch.rand(shape, generator=gen) > 0.4
+    if shape:
+        first = torch.zeros(shape, dtype=torch.bool)
+        first[..., 0] = True
+        keep |= first
+    return keep
+
+
+def _holds(cond: Condition, shapes, attrs, dtypes) -> bool:
+    left, right = _cond_term(cond.left, shapes, attrs, dtypes), [_cond_term(r, shapes, attrs, dtypes) for r in cond.right]
     if left is None:  # size() of a dimension the tensor lacks
         return False
     return left in right if cond.op == "in" else _COMPARE[cond.op](left, right[0])
 
 
-def _cond_term(term, shapes, attrs, dtype):
+def _cond_term(term, shapes, attrs, dtypes):
     if isinstance(term, Query):
         shape = shapes[term.var.name]
         if term.kind == "size":
             return shape[term.dim] if -len(shape) <= term.dim < len(shape) else None
-        return len(shape) if term.kind == "rank" else str(dtype).removeprefix("torch.")
+        return len(shape) if term.kind == "rank" else str(dtypes[term.var.name]).removeprefix("torch.")
     return attrs[term.name] if isinstance(term, Var) else term.value
 
 
