@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from . import ops
 from .cost import DeviceProfile, itemsize, kernel_cost, op_flops
-from .graph import Graph, Node, format_attr, topo_order, type_str
+from .graph import Graph, Node, topo_order, type_str
 
 GENERATED_DTYPES = {"float32", "bool", "weak"}
 

@@ -7,7 +7,6 @@ against eager PyTorch (exiting non-zero on a mismatch).
 import sys
 
 import torch
-import torch.nn.functional as F
 
 import egraph_compiler as egc
 

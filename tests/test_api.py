@@ -1,7 +1,6 @@
 """The public API: caching, explain, debug output, limits, input errors,
 modules, the torch.compile backend, the CLI and the examples."""
 import importlib.util
-import os
 from pathlib import Path
 
 import pytest

@@ -1,7 +1,6 @@
 """Extraction: the ILP is optimal (checked against enumeration on small
 e-graphs), greedy is never better than it, and the cost model ranks plans the
 way this CPU's clock does."""
-import itertools
 import math
 import time
 

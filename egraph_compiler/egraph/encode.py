@@ -12,7 +12,7 @@ import json
 import math
 
 from .. import ops
-from ..dsl.parser import Arith, Condition, FuseRule, Lit, Pat, Query, Rule, Var
+from ..dsl.parser import Arith, Condition, FuseRule, Lit, Pat, Query, Var
 from ..graph import Graph, Node, topo_order
 
 SORTS = {"int": "i64", "float": "f64", "bool": "bool", "str": "String", "ints": "Ints"}
@@ -172,7 +172,7 @@ HIDDEN = "~"  # prefix of helper rules that the report does not count
 def fuse_commands(rule: FuseRule) -> list[str]:
     """A fusion statement as egglog rules: for each consumer op and operand
     position, an alternative e-node whose operand is `(Inline p)`."""
-    rs, name = ruleset_name(rule.group), json.dumps(rule.name)
+    rs = ruleset_name(rule.group)
     out = []
     relation = "fuse-src-" + "".join(c if c.isalnum() else "-" for c in rule.name)
     same_domain = "same_domain" in rule.conditions
