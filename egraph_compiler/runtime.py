@@ -71,6 +71,7 @@ class Executable:
             path, self.compiled_now = build_shared_object(source)
             self._lib = ctypes.CDLL(str(path))
         self._steps = [self._step(k) for k in plan.kernels]
+        self._release = _last_uses(plan)
 
     def _step(self, kernel):
         node = kernel.output
@@ -84,13 +85,15 @@ class Executable:
     @torch.no_grad()  # compiled programs are inference-only: no autograd graph is recorded
     def __call__(self, *args):
         env = self._bind(args)
-        for kind, node, inputs, fn in self._steps:
+        for step, (kind, node, inputs, fn) in enumerate(self._steps):
             if kind == "generated":
                 out = torch.empty(node.shape, dtype=torch_dtype(node.dtype))
                 fn(*[env[id(i)].data_ptr() for i in inputs], out.data_ptr())
             else:
                 out = self._run_torch(node, env)
             env[id(node)] = out
+            for dead in self._release[step]:  # last reader done: the allocator can reuse it
+                del env[dead]
         results = tuple(self._result(o, env) for o in self.graph.outputs)
         return results[0] if len(results) == 1 else results
 
@@ -145,3 +148,19 @@ class Executable:
         if view_source(node).op == "input" or not value.is_contiguous():
             return value.clone(memory_format=torch.contiguous_format)  # never alias the caller's tensors
         return value
+
+
+def _last_uses(plan: Plan) -> list[list[int]]:
+    """Per kernel, the intermediate buffers no later kernel (nor the output) reads."""
+    keep = {id(view_source(o)) for o in plan.graph.outputs} | {id(n) for n in plan.graph.inputs}
+    last: dict[int, int] = {}
+    for step, kernel in enumerate(plan.kernels):
+        reads = kernel.inputs if kernel.kind == "generated" else [view_source(a) for a in kernel.output.args]
+        for node in reads:
+            last[id(node)] = step
+    produced = {id(k.output) for k in plan.kernels}
+    release: list[list[int]] = [[] for _ in plan.kernels]
+    for node_id, step in last.items():
+        if node_id in produced and node_id not in keep:
+            release[step].append(node_id)
+    return release
