@@ -62,6 +62,7 @@ def capture(fn, example_inputs) -> tuple[Graph, str]:
     env: dict[str, object] = {}
     inputs, bound, where = [], {}, {}
     user_names = _parameter_names(fn, len(example_inputs))
+    placeholder_names: dict[str, str] = {}
     user_index = 0
     for fx_node in gm.graph.nodes:
         if fx_node.op == "placeholder":
@@ -76,16 +77,36 @@ def capture(fn, example_inputs) -> tuple[Graph, str]:
                 bound[name] = source[spec.target]
             inputs.append(node)
             env[fx_node.name] = node
+            placeholder_names[fx_node.name] = name
         elif fx_node.op == "call_function":
             if "val" not in fx_node.meta and not fx_node.users:
                 continue  # a check with no result (e.g. _assert_tensor_metadata)
             env[fx_node.name] = _convert(fx_node, env, where)
         elif fx_node.op == "output":
             outs = tuple(env[a.name] for a in fx_node.args[0])
+    outs, mutations = _split_outputs(program, outs, placeholder_names)
     for out in outs:
         if not isinstance(out, Node):
             raise CaptureError("the program must return tensors")
-    return Graph(inputs, outs, bound, where), gm.code.strip()
+    return Graph(inputs, outs, bound, where, mutations), gm.code.strip()
+
+
+def _split_outputs(program, outs, placeholder_names):
+    """User outputs first, then the new values of mutated inputs and buffers."""
+    user, mutated = [], []
+    for spec, node in zip(program.graph_signature.output_specs, outs):
+        kind = spec.kind.name
+        if kind == "USER_OUTPUT":
+            user.append(node)
+        elif kind == "USER_INPUT_MUTATION":
+            mutated.append((placeholder_names[spec.target], node))
+        elif kind == "BUFFER_MUTATION":
+            mutated.append((spec.target.replace(".", "_"), node))
+        else:
+            raise CaptureError(f"unsupported program output ({kind.lower()}); only tensors, and in-place "
+                               f"updates of inputs and buffers, are supported")
+    mutations = [(name, len(user) + i) for i, (name, _) in enumerate(mutated)]
+    return tuple(user) + tuple(node for _, node in mutated), mutations
 
 
 def _parameter_names(fn, count: int) -> list[str]:

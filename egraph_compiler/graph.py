@@ -144,6 +144,13 @@ class Graph:
     outputs: tuple[Node, ...]
     bound: dict[str, torch.Tensor] = field(default_factory=dict)  # parameters: input name -> live tensor
     where: dict[int, str] = field(default_factory=dict)  # id(node) -> user source line
+    # in-place updates of inputs or buffers: (input name, index into outputs of the new value);
+    # those outputs follow the user's, and the runtime copies them back
+    mutations: list[tuple[str, int]] = field(default_factory=list)
+
+    @property
+    def user_outputs(self) -> int:
+        return len(self.outputs) - len(self.mutations)
 
     def topo(self) -> list[Node]:
         return topo_order(self.outputs)

@@ -95,7 +95,18 @@ class Executable:
             for dead in self._release[step]:  # last reader done: the allocator can reuse it
                 del env[dead]
         results = tuple(self._result(o, env) for o in self.graph.outputs)
+        self._write_back(args, results)
+        results = results[:self.graph.user_outputs]
         return results[0] if len(results) == 1 else results
+
+    def _write_back(self, args, results) -> None:
+        """In-place updates the program made to its inputs or buffers."""
+        if not self.graph.mutations:
+            return
+        user = [n.attr("name") for n in self.graph.inputs if n.attr("name") not in self.graph.bound]
+        for name, index in self.graph.mutations:
+            target = self.graph.bound[name] if name in self.graph.bound else args[user.index(name)]
+            target.copy_(results[index])
 
     def _bind(self, args) -> dict[int, torch.Tensor]:
         user = [n for n in self.graph.inputs if n.attr("name") not in self.graph.bound]

@@ -127,3 +127,28 @@ def test_cli_rules_and_explain(tmp_path):
 def test_unknown_target_is_refused():
     with pytest.raises(egc.EgraphCompilerError, match="target 'tpu'"):
         egc.compile(pointwise, [torch.randn(2, 2), torch.randn(2)], target="tpu")
+
+
+def test_in_place_updates_of_inputs_and_buffers_are_written_back():
+    def bump_then_scale(x, y):
+        x.add_(1.0)
+        return x * y
+    x, y = torch.randn(5), torch.randn(5)
+    compiled = egc.compile(bump_then_scale, [x.clone(), y])
+    mine, theirs = x.clone(), x.clone()
+    torch.testing.assert_close(compiled(mine, y), bump_then_scale(theirs, y))
+    torch.testing.assert_close(mine, theirs)
+
+    class Counter(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("total", torch.zeros(3))
+
+        def forward(self, x):
+            self.total.add_(x)
+            return x * 2.0
+    counter = Counter()
+    run = egc.compile(counter, [torch.ones(3)])
+    run(torch.ones(3))
+    run(torch.ones(3))
+    torch.testing.assert_close(counter.total, torch.full((3,), 2.0))

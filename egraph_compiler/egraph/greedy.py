@@ -171,4 +171,4 @@ def build(eg: EClassGraph, extractor: KernelExtractor, graph: Graph) -> Graph:
 
     sys.setrecursionlimit(max(sys.getrecursionlimit(), 20000))  # deep programs recurse deeply
     outputs = tuple(make(r, "mat") for r in eg.roots)
-    return Graph(graph.inputs, outputs, graph.bound, graph.where)
+    return Graph(graph.inputs, outputs, graph.bound, graph.where, graph.mutations)
