@@ -1,6 +1,10 @@
 """Public API: `compile`, `explain`, and the `torch.compile` backend."""
 from __future__ import annotations
 
+import warnings
+
+import torch
+
 from .pipeline import Levels, Options, run_pipeline
 
 
@@ -52,7 +56,14 @@ def explain(fn, example_inputs, **kwargs) -> Levels:
 
 
 def dynamo_backend(gm, example_inputs, **kwargs):
-    """`torch.compile(model, backend="egraph")`: compile each captured graph."""
+    """`torch.compile(model, backend="egraph")`: compile each captured graph.
+
+    Graphs with symbolic sizes (Dynamo's automatic dynamic shapes, after a
+    shape change) are not compiled: they run eagerly, with a warning."""
+    if not all(isinstance(x, torch.Tensor) and all(isinstance(d, int) for d in x.shape) for x in example_inputs):
+        warnings.warn("egraph-compiler: a graph with dynamic shapes runs eagerly (compile with "
+                      "torch.compile(..., dynamic=False) to compile each shape)", stacklevel=2)
+        return gm.forward
     compiled = compile(gm, list(example_inputs), **kwargs)
 
     def run(*args):

@@ -152,3 +152,15 @@ def test_in_place_updates_of_inputs_and_buffers_are_written_back():
     run(torch.ones(3))
     run(torch.ones(3))
     torch.testing.assert_close(counter.total, torch.full((3,), 2.0))
+
+
+def test_torch_compile_backend_across_shapes():
+    def scaled_relu(x):
+        return torch.relu(x) * 2.0
+    torch._dynamo.reset()
+    fixed = torch.compile(scaled_relu, backend="egraph", dynamic=False)
+    automatic = torch.compile(scaled_relu, backend="egraph")
+    for rows in (4, 5, 6):
+        x = torch.randn(rows, 8)
+        torch.testing.assert_close(fixed(x), scaled_relu(x))
+        torch.testing.assert_close(automatic(x), scaled_relu(x))  # dynamic graphs run eagerly, with a warning
