@@ -93,29 +93,40 @@ def load(data: dict, graph: Graph) -> EClassGraph:
 
 
 def infer_types(eg: EClassGraph, graph: Graph) -> None:
-    """Per-class shape and dtype by fixpoint; two e-nodes of a class that
-    disagree raise UnsoundRuleError."""
+    """Per-class shape and dtype, each e-node typed once, as soon as its
+    operands are (a worklist); two e-nodes of a class that disagree raise
+    UnsoundRuleError."""
     inputs = {n.attr("name"): n for n in graph.inputs}
-    changed = True
-    while changed:
-        changed = False
-        for class_id, enodes in eg.classes.items():
-            for en in enodes:
-                if not en.valid or any(c not in eg.shape for c in en.children):
-                    continue
-                try:
-                    shape, dtype = _node_type(en, eg, inputs)
-                except ops.ShapeError as exc:
-                    en.valid = False
-                    raise UnsoundRuleError(f"a rule produced an ill-shaped {en.op} term: {exc}") from None
-                known = eg.shape.get(class_id)
-                if known is None:
-                    eg.shape[class_id], eg.dtype[class_id] = shape, dtype
-                    changed = True
-                elif known != shape or _dtype_conflict(eg.dtype[class_id], dtype):
-                    raise UnsoundRuleError(
-                        f"a rule merged terms of different types: {en.op} gives {dtype}{list(shape)} but its "
-                        f"e-class holds {eg.dtype[class_id]}{list(known)}; check the rules that rewrite {en.op}")
+    waiting: dict[str, list[tuple[str, ENode]]] = {}
+    missing: dict[int, int] = {}
+    ready: list[tuple[str, ENode]] = []
+    for class_id, enodes in eg.classes.items():
+        for en in enodes:
+            operands = set(en.children)
+            missing[id(en)] = len(operands)
+            for child in operands:
+                waiting.setdefault(child, []).append((class_id, en))
+            if not operands:
+                ready.append((class_id, en))
+    while ready:
+        class_id, en = ready.pop()
+        try:
+            shape, dtype = _node_type(en, eg, inputs)
+        except ops.ShapeError as exc:
+            en.valid = False
+            raise UnsoundRuleError(f"a rule produced an ill-shaped {en.op} term: {exc}") from None
+        known = eg.shape.get(class_id)
+        if known is not None:
+            if known != shape or _dtype_conflict(eg.dtype[class_id], dtype):
+                raise UnsoundRuleError(
+                    f"a rule merged terms of different types: {en.op} gives {dtype}{list(shape)} but its "
+                    f"e-class holds {eg.dtype[class_id]}{list(known)}; check the rules that rewrite {en.op}")
+            continue
+        eg.shape[class_id], eg.dtype[class_id] = shape, dtype
+        for parent in waiting.get(class_id, ()):
+            missing[id(parent[1])] -= 1
+            if missing[id(parent[1])] == 0:
+                ready.append(parent)
 
 
 def _dtype_conflict(a: str, b: str) -> bool:
