@@ -147,8 +147,6 @@ class Executable:
         args = [self._tensor(a, env) for a in node.args]
         if node.op == "extern":
             return node.attr("target").run(args)
-        if node.op in ("sdpa", "sdpa_mask"):
-            args = [a.contiguous() for a in args]  # torch picks its fused CPU kernel for dense inputs
         out = ops.get(node.op).reference(args, node.a)
         return out.to(torch_dtype(node.dtype)) if node.dtype != WEAK else out
 
