@@ -15,7 +15,9 @@ Method (see BENCHMARKS.md):
     first call, with EGC_CACHE_DIR set to a fresh temporary directory per
     workload so the C++ is really compiled.  Both compilers are pre-warmed
     once per process on a tiny unrelated function first, so one-time start-up
-    (imports, rule parsing, codecache set-up) is not charged to whichever
+    (imports, rule parsing, codecache set-up, and egc's one-off calibration of
+    its CPU cost profile, which is then copied into each fresh cache so every
+    workload is planned with the same profile) is not charged to whichever
     workload comes first;
   * timing: `--warmup` calls of each variant, then `--reps` rounds; in each
     round every variant runs one block of `inner` back-to-back calls
@@ -29,11 +31,14 @@ Method (see BENCHMARKS.md):
 from __future__ import annotations
 
 import argparse
+import atexit
+import contextlib
 import datetime
 import json
 import math
 import os
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
@@ -42,7 +47,10 @@ import traceback
 
 # Inductor's on-disk caches go to a fresh directory so its compile is cold,
 # like ours.  Must be set before torch._inductor reads it.
-os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="bench_inductor_"))
+# (A TORCHINDUCTOR_CACHE_DIR already set by the caller is kept.)
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="bench_inductor_")
+    atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
 
 import torch  # noqa: E402
 
@@ -152,6 +160,37 @@ def wait_quiet(args) -> float:
     return time.perf_counter() - t0
 
 
+# --------------------------------------------------------------------------- egc's on-disk cache
+
+# egc's "cpu" cost profile is calibrated by a short measurement on first use
+# and cached in EGC_CACHE_DIR/profiles.json.  A fresh cache directory per
+# workload would re-calibrate for every workload, and a calibration taken
+# while the machine is busy can be far off and change the plan.  So the
+# harness calibrates ONCE per process (on a quiet machine, in `prewarm`) and
+# seeds every fresh per-workload cache with that profile: the C++ is still
+# compiled from scratch, the cost model is the same for all workloads.
+PROFILE_FILE = "profiles.json"
+_calibrated_profile: str | None = None  # text of profiles.json after prewarm
+
+
+@contextlib.contextmanager
+def fresh_egc_cache():
+    """A fresh, empty EGC_CACHE_DIR (but for the calibrated profile) for the block."""
+    old = os.environ.get("EGC_CACHE_DIR")
+    with tempfile.TemporaryDirectory(prefix="bench_egc_") as cache:
+        if _calibrated_profile is not None:
+            with open(os.path.join(cache, PROFILE_FILE), "w") as fh:
+                fh.write(_calibrated_profile)
+        os.environ["EGC_CACHE_DIR"] = cache
+        try:
+            yield cache
+        finally:
+            if old is None:
+                os.environ.pop("EGC_CACHE_DIR", None)
+            else:
+                os.environ["EGC_CACHE_DIR"] = old
+
+
 # --------------------------------------------------------------------------- one workload
 
 def bench_workload(name: str, args) -> dict:
@@ -187,9 +226,7 @@ def bench_workload(name: str, args) -> dict:
         row["status"]["ours"] = ("n/a: egc.compile only supports target='cpu' for now "
                                  f"(device {device!r} not benchmarked)")
     else:
-        old_cache = os.environ.get("EGC_CACHE_DIR")
-        with tempfile.TemporaryDirectory(prefix="bench_egc_") as cache:
-            os.environ["EGC_CACHE_DIR"] = cache
+        with fresh_egc_cache():
             try:
                 t0 = time.perf_counter()
                 ours = egc.compile(fn, inputs, unsafe=name in UNSAFE)
@@ -209,11 +246,6 @@ def bench_workload(name: str, args) -> dict:
             except Exception as exc:
                 row["status"]["ours"] = "error: " + short_error(exc)
                 traceback.print_exc()
-            finally:
-                if old_cache is None:
-                    os.environ.pop("EGC_CACHE_DIR", None)
-                else:
-                    os.environ["EGC_CACHE_DIR"] = old_cache
 
     # -- warm up, and pick each variant's block size from the warm-up timing
     order = [v for v in VARIANTS if v in callables]
@@ -314,11 +346,16 @@ def markdown_table(rows, max_foreign_load: float = 0.1) -> str:
 
 
 def problems(rows) -> list[str]:
-    out = []
+    out, not_available = [], []
     for row in rows:
         for v, status in row["status"].items():
-            if status != "ok":
+            if status.startswith("n/a"):
+                not_available.append(row["workload"])
+                reason = status
+            elif status != "ok":
                 out.append(f"{row['workload']} / {v}: {status}")
+    if not_available:
+        out.insert(0, f"ours: {reason} -- {', '.join(not_available)}")
     return out
 
 
@@ -378,20 +415,20 @@ def prewarm(device: str) -> dict:
     out["inductor"] = time.perf_counter() - t0
     torch._dynamo.reset()
     if device == "cpu":
-        with tempfile.TemporaryDirectory(prefix="bench_egc_") as cache:
-            old = os.environ.get("EGC_CACHE_DIR")
-            os.environ["EGC_CACHE_DIR"] = cache
+        global _calibrated_profile
+        _calibrated_profile = None
+        with fresh_egc_cache() as cache:
             try:
                 t0 = time.perf_counter()
-                egc.compile(tiny, (x,))(x)
+                egc.compile(tiny, (x,))(x)  # also calibrates egc's cpu cost profile
                 out["ours"] = time.perf_counter() - t0
+                path = os.path.join(cache, PROFILE_FILE)
+                if os.path.exists(path):
+                    with open(path) as fh:
+                        _calibrated_profile = fh.read()
+                    out["ours_cpu_profile"] = json.loads(_calibrated_profile)
             except Exception as exc:
                 out["ours"] = "error: " + short_error(exc)
-            finally:
-                if old is None:
-                    os.environ.pop("EGC_CACHE_DIR", None)
-                else:
-                    os.environ["EGC_CACHE_DIR"] = old
     return out
 
 
@@ -434,7 +471,9 @@ def main(argv=None) -> int:
 
     env = environment(args)
     env["loadavg_start"] = loadavg()
-    print("[bench] pre-warming both compilers ...", file=sys.stderr, flush=True)
+    print("[bench] pre-warming both compilers (and calibrating egc's cost profile) ...",
+          file=sys.stderr, flush=True)
+    wait_quiet(args)
     env["prewarm_s"] = prewarm(args.device)
     rows = []
     for name in names:

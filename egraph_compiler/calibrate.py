@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import time
 
 import torch
@@ -19,34 +18,45 @@ from . import ops
 from .cost import PROFILES, DeviceProfile
 from .runtime import cache_dir
 
-PROFILE_VERSION = 2
+PROFILE_VERSION = 3
 
 
-def _median_seconds(fn, repeat: int = 7) -> float:
+def _best_seconds(fn, repeat: int = 9) -> float:
+    """The least disturbed of several runs: a busy machine slows runs down, never up."""
     fn()
     times = []
     for _ in range(repeat):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return min(times)
 
 
-def measure_cpu() -> DeviceProfile:
+def measure_cpu() -> DeviceProfile | None:
     n = 1 << 24  # 64 MB of float32
     src, dst = torch.ones(n), torch.empty(n)
-    bandwidth = 2 * 4 * n / _median_seconds(lambda: dst.copy_(src))
+    bandwidth = 2 * 4 * n / _best_seconds(lambda: dst.copy_(src))
     # exp on a cache-resident buffer: compute-bound vector code, counted at the
     # op table's FLOPs per exp (the unit the cost model charges generated code in)
     small = torch.rand(1 << 18)
     work = torch.empty_like(small)
-    flops = ops.get("exp").flops * small.numel() * 4 / _median_seconds(
+    flops = ops.get("exp").flops * small.numel() * 4 / _best_seconds(
         lambda: [torch.exp(small, out=work) for _ in range(4)])
     a, b = torch.randn(512, 512), torch.randn(512, 512)
-    library = 2 * 512 ** 3 / _median_seconds(lambda: torch.mm(a, b))
+    library = 2 * 512 ** 3 / _best_seconds(lambda: torch.mm(a, b))
     one = torch.ones(1)
-    launch = _median_seconds(lambda: [torch.add(one, one) for _ in range(100)]) / 100
-    return DeviceProfile("cpu", bandwidth, flops, library, launch)
+    launch = _best_seconds(lambda: [torch.add(one, one) for _ in range(100)]) / 100
+    measured = DeviceProfile("cpu", bandwidth, flops, library, launch)
+    return measured if plausible(measured) else None
+
+
+def plausible(profile: DeviceProfile) -> bool:
+    """Within a factor of the fixed CPU table: a reading far outside it was
+    taken on a machine too busy to measure, and is not kept."""
+    default = PROFILES["cpu"]
+    ratios = [profile.bandwidth / default.bandwidth, profile.flops / default.flops,
+              profile.library_flops / default.library_flops, default.launch / max(profile.launch, 1e-9)]
+    return all(0.1 <= r <= 100 for r in ratios)
 
 
 def cpu_profile() -> DeviceProfile:
@@ -58,7 +68,10 @@ def cpu_profile() -> DeviceProfile:
     except (OSError, ValueError):
         cached = {}
     if key not in cached:
-        cached[key] = measure_cpu().__dict__
+        measured = measure_cpu()
+        if measured is None:  # too busy to measure now: the fixed table, not cached
+            return PROFILES["cpu"]
+        cached[key] = measured.__dict__
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(cached, indent=1))
         os.replace(tmp, path)

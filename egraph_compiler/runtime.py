@@ -139,6 +139,8 @@ class Executable:
             return env[id(node)]
         if node.op == "const":
             return torch.tensor(node.attr("value"), dtype=torch.float32)
+        if node.op == "inline":  # a fused producer, in a kernel that runs through torch
+            return self._run_torch(node.args[0], env)
         if node.group == "layout":
             return ops.get(node.op).reference([self._tensor(node.args[0], env)], node.a)
         raise CodegenError(f"{node.op} is read before it is computed")

@@ -164,3 +164,11 @@ def test_torch_compile_backend_across_shapes():
         x = torch.randn(rows, 8)
         torch.testing.assert_close(fixed(x), scaled_relu(x))
         torch.testing.assert_close(automatic(x), scaled_relu(x))  # dynamic graphs run eagerly, with a warning
+
+
+def test_dtypes_the_cpp_target_does_not_generate_run_through_aten_and_are_listed():
+    fn, inputs = workloads.make("ln_relu", "test", dtype=torch.bfloat16)
+    with pytest.warns(UserWarning, match="runs through ATen"):
+        compiled = egc.compile(fn, inputs)
+    assert compiled.plan.fallbacks and all("bfloat16" in f for f in compiled.plan.fallbacks)
+    torch.testing.assert_close(compiled(*inputs), fn(*inputs), atol=2e-2, rtol=2e-2)
