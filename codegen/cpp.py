@@ -4,7 +4,7 @@ kernel.  The outer loop is `omp parallel for`, inner loops are `omp simd`
 library by name so that, with glibc's vector math library, they vectorise."""
 from __future__ import annotations
 
-from egraph_compiler.loopir import LoopKernel
+from egraph_compiler.loopir import STASH, LoopKernel
 
 from .walker import Target, float_literal, render_expr
 
@@ -71,6 +71,8 @@ def render_kernel(k: LoopKernel) -> str:
     if parallel:
         lines.append("  #pragma omp parallel for schedule(static)")
     lines.append(f"  for (int64_t o = 0; o < {k.outer}; ++o) {{")
+    if k.stash_last:
+        lines.append(f"    alignas(64) float {STASH}[{k.inner}];")
     for i, red in enumerate(k.reductions):
         init, pragma, step, finish = _REDUCTIONS[red.combiner]
         body = render_expr(red.body, TARGET)
@@ -78,7 +80,7 @@ def render_kernel(k: LoopKernel) -> str:
         lines.append(pragma.format(acc=red.acc))
         step = step.format(acc=red.acc, v=body)
         if k.stash_last and i == len(k.reductions) - 1:
-            stash = f"{k.store_param}[{k.store_index}]"
+            stash = f"{STASH}[r]"
             step = f"{{ const float s = {body}; {stash} = s; {_REDUCTIONS[red.combiner][2].format(acc=red.acc, v='s')[2:-2]} }}"
         lines.append(f"    for (int64_t r = 0; r < {k.inner}; ++r) " + step)
         if finish:

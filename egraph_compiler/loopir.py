@@ -89,6 +89,9 @@ def _term_str(term) -> str:
     return f"(({inner}) {'/' if kind == 'div' else '%'} {c})"
 
 
+STASH = "stash"  # a kernel's per-row scratch buffer
+
+
 # ---- scalar expressions ----
 
 @dataclass(frozen=True)
@@ -138,15 +141,15 @@ class LoopKernel:
     store_index: Affine = field(default_factory=Affine)
     value: object = None
     store_in_inner: bool = True  # False: one store per outer index (a reduction's result)
-    # The last reduction also writes its body into the output, and `value` reads it back
-    # there instead of computing it again (softmax: exp once per element, not twice).
+    # The last reduction also writes its body into a per-row stash (`STASH`), and `value`
+    # reads it back there instead of computing it again (softmax: one exp per element).
     stash_last: bool = False
 
     def __str__(self) -> str:
         params = ", ".join(f"{p.role} {p.name}: {p.dtype}" for p in self.params)
         lines = [f"kernel {self.name}({params}):", f"  for o in 0..{self.outer} (parallel):"]
         for i, red in enumerate(self.reductions):
-            stash = (f"  (stash in {self.store_param}[{self.store_index}])"
+            stash = (f"  (kept in {STASH}[r])"
                      if self.stash_last and i == len(self.reductions) - 1 else "")
             lines.append(f"    {red.acc} = {red.combiner} over r in 0..{self.inner}: {expr_str(red.body)}{stash}")
         if self.store_in_inner:

@@ -15,7 +15,7 @@ import math
 
 from .errors import CodegenError
 from .graph import Node, const
-from .loopir import Acc, Affine, Call, Const, Load, LoopKernel, Param, Reduction, contains, substitute
+from .loopir import STASH, Acc, Affine, Call, Const, Load, LoopKernel, Param, Reduction, contains, substitute
 from .plan import Kernel
 
 
@@ -88,15 +88,18 @@ def lower_kernel(kernel: Kernel, buffer_names: dict[int, str]) -> LoopKernel:
     return out
 
 
+STASH_LIMIT = 16384  # floats: a row's stash lives on the stack (64 KB), like Inductor's local buffer
+
+
 def _stash_last_reduction(k: LoopKernel, dtype: str) -> None:
     """When the store recomputes the last reduction's body at the same element,
-    write the body to the output during the reduction and read it back."""
-    if not (k.store_in_inner and k.reductions and dtype == "float32"):
+    keep the body in a per-row stash during the reduction and read it back."""
+    if not (k.store_in_inner and k.reductions and dtype == "float32" and k.inner <= STASH_LIMIT):
         return
     body = k.reductions[-1].body
     if isinstance(body, (Load, Const)) or not contains(k.value, body):
         return
-    k.value = substitute(k.value, body, Load(k.store_param, k.store_index))
+    k.value = substitute(k.value, body, Load(STASH, Affine.var("r", k.inner)))
     k.stash_last = True
 
 
