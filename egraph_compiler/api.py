@@ -5,6 +5,7 @@ import warnings
 
 import torch
 
+from .errors import InputError
 from .pipeline import Levels, Options, run_pipeline
 
 
@@ -43,11 +44,24 @@ def compile(fn, example_inputs, *, target="cpu", rules=(), disable=(), unsafe=Fa
     and keep the cheaper plan.  profile: the cost model's device profile
     ("cpu" is calibrated on this machine by default; "cpu-default", "h200").
     """
+    example_inputs = _check_examples(example_inputs)
     if extraction not in ("greedy", "ilp"):
         raise ValueError(f"extraction must be 'greedy' or 'ilp', not {extraction!r}")
     options = Options(target, list(rules), list(disable), unsafe, iter_limit, node_limit, time_limit, strict,
                       profile=profile, extraction=extraction, ilp_time_limit=ilp_time_limit)
     return CompiledFunction(*run_pipeline(fn, example_inputs, options))
+
+
+def _check_examples(example_inputs) -> list:
+    if isinstance(example_inputs, torch.Tensor):
+        return [example_inputs]
+    if not isinstance(example_inputs, (list, tuple)):
+        raise InputError(f"example_inputs must be a list or tuple of tensors, not {type(example_inputs).__name__}")
+    for i, value in enumerate(example_inputs):
+        if not isinstance(value, torch.Tensor):
+            raise InputError(f"example input {i} is a {type(value).__name__}; compiled programs take tensors "
+                             f"(bind other arguments with functools.partial, or pass torch.tensor(value))")
+    return list(example_inputs)
 
 
 def explain(fn, example_inputs, **kwargs) -> Levels:

@@ -172,3 +172,12 @@ def test_dtypes_the_cpp_target_does_not_generate_run_through_aten_and_are_listed
         compiled = egc.compile(fn, inputs)
     assert compiled.plan.fallbacks and all("bfloat16" in f for f in compiled.plan.fallbacks)
     torch.testing.assert_close(compiled(*inputs), fn(*inputs), atol=2e-2, rtol=2e-2)
+
+
+def test_non_tensor_example_inputs_get_a_clear_error():
+    with pytest.raises(egc.InputError, match="example input 1 is a float"):
+        egc.compile(lambda x, s: x * s, [torch.randn(3), 2.0])
+    with pytest.raises(egc.InputError, match="list or tuple of tensors"):
+        egc.compile(lambda x: x, {"x": torch.randn(3)})
+    single = egc.compile(lambda x: x * 2.0, torch.ones(3))  # one tensor is taken as the only input
+    torch.testing.assert_close(single(torch.ones(3)), torch.full((3,), 2.0))
