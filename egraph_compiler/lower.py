@@ -51,10 +51,18 @@ def expand_rows(root: Node) -> Node:
     """The kernel tree with every computed row composite expanded."""
     memo: dict[int, Node] = {}
 
+    def edge(a: Node) -> Node:
+        if a.op == "inline":
+            return Node.make("inline", (visit(a.args[0]),))
+        if a.group == "layout":  # a view over something computed here
+            inner = edge(a.args[0])
+            return a if inner is a.args[0] else Node.make(a.op, (inner,), a.a)
+        return a
+
     def visit(n: Node) -> Node:
         if id(n) in memo:
             return memo[id(n)]
-        args = tuple(Node.make("inline", (visit(a.args[0]),)) if a.op == "inline" else a for a in n.args)
+        args = tuple(edge(a) for a in n.args)
         out = n if args == n.args else Node.make(n.op, args, n.a)
         if out.group == "row":
             out = visit(expand_row(out))

@@ -73,6 +73,7 @@ class Plan:
 
 def make_plan(graph: Graph, profile: DeviceProfile, rules_fired=None) -> Plan:
     """One kernel per materialised node, in dependency order."""
+    graph = legalize(graph)
     outputs = {id(o) for o in graph.outputs}
     kernels: list[Kernel] = []
     fallbacks: list[str] = []
@@ -109,6 +110,93 @@ def _fallback_entry(node: Node, reason: str, graph: Graph) -> str:
         call = node.attr("target")
         return f"{str(call).split('#')[0]} ({reason}; {call.where})"
     return f"{node.op} ({reason}; {graph.where.get(id(node), 'no source line')})"
+
+
+def legalize(graph: Graph) -> Graph:
+    """A loop nest reduces over one set of dims of one domain.  Fusion rules
+    check each edge on its own, so a kernel can end up holding reductions over
+    different dims (softmax over rows feeding a reduction over columns): the
+    inlined reductions that disagree with the kernel's first one are
+    materialised instead (their `inline` edge becomes a plain edge)."""
+    while True:
+        cut = _conflicting_inline(graph)
+        if not cut:
+            return graph
+        graph = _rebuild(graph, cut)
+
+
+def _conflicting_inline(graph: Graph) -> set[int]:
+    cut: set[int] = set()
+    for node in topo_order(graph.outputs):
+        if node.group in ("source", "boundary", "library", "extern"):
+            continue
+        domain = node.args[0].shape if node.group == "reduction" else node.shape
+        first = _reduction_key(node, domain) if node.group in ("reduction", "row") else None
+        for edge, target in _inline_edges(node):
+            for n in _reductions_in(target):
+                key = _reduction_key(n, domain)
+                if first is None and key is not None:
+                    first = key
+                if key is None or key != first:
+                    cut.add(id(edge))
+                    break
+    return cut
+
+
+def _reduction_key(n: Node, domain):
+    if n.group == "row":
+        return (tuple(n.shape), tuple(sorted(d % len(n.shape) for d in _row_dims(n)))) \
+            if tuple(n.shape) == tuple(domain) else None
+    if tuple(n.args[0].shape) != tuple(domain):
+        return None
+    return (tuple(domain), tuple(sorted(d % len(domain) for d in n.attr("dims"))))
+
+
+def _row_dims(n: Node):
+    if n.op in ("softmax", "log_softmax"):
+        return (n.attr("dim"),)
+    return tuple(range(-n.attr("ndim"), 0))
+
+
+def _inline_edges(node: Node):
+    """(inline node, its target) for each operand computed inside this kernel."""
+    for a in node.args:
+        while a.group == "layout":
+            a = a.args[0]
+        if a.op == "inline":
+            yield a, a.args[0]
+
+
+def _reductions_in(target: Node):
+    """Reductions (and row composites) computed at this inline target or below it in the kernel."""
+    seen, stack = set(), [target]
+    while stack:
+        n = stack.pop()
+        if id(n) in seen:
+            continue
+        seen.add(id(n))
+        if n.group in ("reduction", "row"):
+            yield n
+        stack.extend(t for _, t in _inline_edges(n))
+
+
+def _rebuild(graph: Graph, cut: set[int]) -> Graph:
+    """The graph with the `inline` nodes in `cut` replaced by their targets."""
+    memo: dict[int, Node] = {}
+    for node in topo_order(graph.outputs):
+        if id(node) in cut:
+            memo[id(node)] = memo[id(node.args[0])]
+            continue
+        args = tuple(memo[id(a)] for a in node.args)
+        if node.group == "source" or args == node.args:
+            memo[id(node)] = node
+        elif node.op == "extern":
+            memo[id(node)] = Node.make("extern", args, node.a, shape=node.shape, dtype=node.dtype)
+        else:
+            memo[id(node)] = Node.make(node.op, args, node.a)
+    outputs = tuple(memo[id(o)] for o in graph.outputs)
+    where = {**graph.where, **{id(memo[k]): v for k, v in graph.where.items() if k in memo}}
+    return Graph(graph.inputs, outputs, graph.bound, where, graph.mutations)
 
 
 def kernel_body(root: Node) -> tuple[list[Node], list[Node]]:
