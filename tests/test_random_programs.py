@@ -77,3 +77,55 @@ def test_random_program_matches_eager(seed):
     expected = program(x)
     torch.testing.assert_close(compiled(x), expected, atol=1e-4, rtol=1e-4, equal_nan=True,
                                msg=lambda m: f"{m}\nsteps: {steps}\n{compiled.plan}")
+
+
+def random_program_with_weights(rng: random.Random):
+    """A function of x [6, 8] and w [8, 8]: matmuls, masks, splits, ATen fallbacks (cat)."""
+    steps = [rng.choice(["matmul_w", "where", "gt_mul", "softmax_last", "split_add", "unsq_sum", "expand_add",
+                         "pow2", "div_scalar", "ln_affine", "gelu_t", "sub_rev", "clamp"])
+             for _ in range(rng.randint(3, 8))]
+
+    def program(x, w):
+        y = x
+        for step in steps:
+            if step == "matmul_w":
+                y = y @ w
+            elif step == "where":
+                y = torch.where(y > 0, y, y * 0.1)
+            elif step == "gt_mul":
+                y = (y > 0.2).float() * y
+            elif step == "softmax_last":
+                y = torch.softmax(y * 2.0, -1)
+            elif step == "split_add":
+                a, b = y.split(y.shape[-1] // 2, -1)
+                y = torch.cat([a + b, a - b], -1)
+            elif step == "unsq_sum":
+                y = y.unsqueeze(1).sum(1)
+            elif step == "expand_add":
+                y = y + y[:, :1].expand(-1, y.shape[1])
+            elif step == "pow2":
+                y = y.pow(2) - y
+            elif step == "div_scalar":
+                y = y / 3.0
+            elif step == "ln_affine":
+                y = F.layer_norm(y, y.shape[-1:], torch.full((y.shape[-1],), 0.5), None)
+            elif step == "gelu_t":
+                y = F.gelu(y, approximate="tanh")
+            elif step == "sub_rev":
+                y = 1.0 - y
+            else:
+                y = torch.clamp(y, min=-0.5)
+        return y
+    return program, steps
+
+
+@pytest.mark.filterwarnings("ignore:egraph-compiler")
+@pytest.mark.parametrize("seed", range(12))
+def test_random_program_with_weights_matches_eager(seed):
+    rng = random.Random(1000 + seed)
+    program, steps = random_program_with_weights(rng)
+    gen = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(6, 8, generator=gen), torch.randn(8, 8, generator=gen) * 0.3
+    compiled = egc.compile(program, [x, w])
+    torch.testing.assert_close(compiled(x, w), program(x, w), atol=1e-4, rtol=1e-4, equal_nan=True,
+                               msg=lambda m: f"{m}\nsteps: {steps}\n{compiled.plan}")
