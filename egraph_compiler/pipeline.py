@@ -107,12 +107,13 @@ def build_egraph(fn, example_inputs, options: Options, levels: Levels | None = N
     levels.timings["capture"] = time.perf_counter() - clock
 
     with _session_for(rules).scope() as session:
-        session.run(encode.encode_graph(graph)[0])
+        text, names = encode.encode_graph(graph)
+        session.run(text)
         limits = saturate.Limits(options.iter_limit, options.node_limit, options.time_limit)
         feeder = FactFeeder(session, graph) if needs_facts(rules) else None
         report = saturate.saturate(session, schedule(rules, phases), limits, feeder)
         levels.egraph = str(report)
-        eclasses = extract.load(session.serialized(), graph)
+        eclasses = extract.load(session.serialized(), graph, names)
     extract.infer_types(eclasses, graph)
     return graph, eclasses, report
 

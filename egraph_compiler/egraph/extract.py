@@ -29,6 +29,7 @@ class EClassGraph:
     classes: dict[str, list[ENode]]
     roots: list[str]
     shape: dict[str, tuple] = field(default_factory=dict)
+    where: dict[str, str] = field(default_factory=dict)  # class -> the user's source line of a node in it
     dtype: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -36,7 +37,9 @@ class EClassGraph:
         return sum(len(v) for v in self.classes.values())
 
 
-def load(data: dict, graph: Graph) -> EClassGraph:
+def load(data: dict, graph: Graph, names: dict[int, str] | None = None) -> EClassGraph:
+    """`names` (node id -> egglog global, from encode_graph) carries the user's
+    source lines over to the e-classes, for messages about extracted nodes."""
     nodes = data["nodes"]
     by_class: dict[str, list[dict]] = {}
     for node in nodes.values():
@@ -85,11 +88,16 @@ def load(data: dict, graph: Graph) -> EClassGraph:
         attrs = {name: value(k, kind) for (name, kind), k in zip(opdef.attrs, kids[opdef.arity:])}
         classes.setdefault(node["eclass"], []).append(ENode(op, tuple(kids[:opdef.arity]), attrs))
     roots: dict[int, str] = {}
+    where_of_global = {names[id(n)]: graph.where[id(n)] for n in graph.topo()
+                       if names and id(n) in names and id(n) in graph.where}
+    where: dict[str, str] = {}
     for class_id, info in data["class_data"].items():
         for name in info.get("let", "").split(", "):
             if name.startswith("$out"):
                 roots[int(name[4:])] = class_id
-    return EClassGraph(classes, [roots[i] for i in range(len(roots))])
+            elif name in where_of_global:
+                where.setdefault(class_id, where_of_global[name])
+    return EClassGraph(classes, [roots[i] for i in range(len(roots))], where=where)
 
 
 def infer_types(eg: EClassGraph, graph: Graph) -> None:

@@ -148,6 +148,7 @@ def extract_kernels(eg: EClassGraph, graph: Graph, profile: DeviceProfile) -> tu
 def build(eg: EClassGraph, extractor: KernelExtractor, graph: Graph) -> Graph:
     inputs = {n.attr("name"): n for n in graph.inputs}
     built: dict[tuple[str, str], Node] = {}
+    where = dict(graph.where)
 
     def make(class_id: str, mode: str) -> Node:
         key = (class_id, mode)
@@ -167,8 +168,10 @@ def build(eg: EClassGraph, extractor: KernelExtractor, graph: Graph) -> Graph:
         else:
             node = Node.make(en.op, tuple(args), en.attrs)
         built[key] = node
+        if class_id in eg.where:
+            where.setdefault(id(node), eg.where[class_id])
         return node
 
     sys.setrecursionlimit(max(sys.getrecursionlimit(), 20000))  # deep programs recurse deeply
     outputs = tuple(make(r, "mat") for r in eg.roots)
-    return Graph(graph.inputs, outputs, graph.bound, graph.where, graph.mutations)
+    return Graph(graph.inputs, outputs, graph.bound, where, graph.mutations)
