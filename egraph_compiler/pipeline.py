@@ -85,7 +85,7 @@ def run_pipeline(fn, example_inputs, options: Options):
     levels.loops = "\n\n".join(str(k) for k in loops)
     levels.source = render_program(loops)
     clock = time.perf_counter()
-    executable = Executable(plan, buffer_names, levels.source)
+    executable = Executable(plan, levels.source)
     levels.timings["load"] = time.perf_counter() - clock
     if os.environ.get(DEBUG_ENV):
         print(levels, file=sys.stderr)

@@ -62,7 +62,7 @@ def torch_dtype(dtype: str) -> torch.dtype:
 class Executable:
     """Runs a plan: generated kernels through ctypes, the rest through torch."""
 
-    def __init__(self, plan: Plan, buffer_names: dict[int, str], source: str):
+    def __init__(self, plan: Plan, source: str):
         self.plan = plan
         self.graph: Graph = plan.graph
         self.compiled_now = False
