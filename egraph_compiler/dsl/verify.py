@@ -17,8 +17,8 @@ from functools import reduce
 
 import torch
 
-from .. import ops
-from .parser import Arith, Condition, Lit, Pat, Query, Rule, Var, collect_vars
+from .evaluate import NotApplicable, evaluate, shape_of
+from .parser import Condition, Lit, Query, Rule, Var, collect_vars
 
 SIZES = (1, 2, 3, 5, 8)
 FLOATS = (0.5, 2.0, 1e-5, -3.0, 1.0, 0.0)
@@ -31,7 +31,6 @@ ATTEMPTS = 200  # draws per trial before giving up on a well-formed instance
 MAX_NUMEL = 100_000
 _COMPARE = {"<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge, "==": operator.eq,
             "!=": operator.ne}
-_ARITH = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv}
 
 
 @dataclass
@@ -63,14 +62,6 @@ class _Instance:
         shapes = " ".join(f"{n}={list(s)}" for n, s in self.shapes.items())
         attrs = "".join(f" {n}={v!r}" for n, v in self.attrs.items())
         return f"{str(self.dtype)[6:]}, {self.profile} values, {shapes}{attrs}"
-
-
-class _Scalar(float):
-    """The value of a `const`: promoted like a Python float when it meets tensors."""
-
-
-class _NotApplicable(Exception):
-    """The rule would not fire on this instance (integer division by zero)."""
 
 
 # ---- entry points ----
@@ -134,12 +125,12 @@ def _instance(rule, pattern, rng, gen, dtype, profile, domain):
         shapes = _draw_shapes(tensor_vars, rng, sizes)
         if sum(math.prod(s) for s in shapes.values()) > MAX_NUMEL:
             continue
-        attrs = {n: _draw_attr(n, s, shapes, rule, rng) for n, s in attr_vars.items()}
+        attrs = {n: _drawattr_value(n, s, shapes, rule, rng) for n, s in attr_vars.items()}
         var_dtypes = {n: _fixed_dtype(rule, n) or dtype for n in tensor_vars}
         if not all(_holds(c, shapes, attrs, var_dtypes) for c in matching):
             continue
         try:
-            _shape(pattern, shapes, attrs)
+            shape_of(pattern, shapes, attrs)
         except Exception:  # the op table's shape rule rejects it: draw again
             continue
         tensors = {n: _values(shapes[n], dtype, profile, _domain(rule, n, attrs) if domain else [], gen)
@@ -147,7 +138,7 @@ def _instance(rule, pattern, rng, gen, dtype, profile, domain):
         if any(v is None for v in tensors.values()):
             continue
         try:
-            return _Instance(shapes, attrs, tensors, dtype, profile, pattern, _evaluate(pattern, tensors, attrs))
+            return _Instance(shapes, attrs, tensors, dtype, profile, pattern, evaluate(pattern, tensors, attrs))
         except Exception as exc:  # shape rules can be looser than the reference
             last = _explain(exc)
     return last
@@ -174,7 +165,7 @@ def _variant(base, rng, sizes) -> tuple:
     return tuple(s)
 
 
-def _draw_attr(name, sort, shapes, rule, rng):
+def _drawattr_value(name, sort, shapes, rule, rng):
     bounds = [(c, v.value) for c in rule.conditions if isinstance(c.left, Var) and c.left.name == name
               for v in c.right if isinstance(v, Lit)]
     named = tuple(value for _, value in bounds)
@@ -323,80 +314,13 @@ def _interior_value(domain) -> float:
     return next((c for c in candidates if bool(_inside(torch.tensor(c, dtype=torch.float64), domain))), 1.0)
 
 
-# ---- evaluating a side ----
-
-def _attr(term, attrs):
-    if isinstance(term, Lit):
-        return tuple(_attr(v, attrs) for v in term.value) if term.sort == "ints" else term.value
-    if isinstance(term, Var):
-        return attrs[term.name]
-    if isinstance(term, tuple):
-        return tuple(_attr(v, attrs) for v in term)
-    if isinstance(term, Arith):
-        return _arith(term.op, _attr(term.left, attrs), _attr(term.right, attrs), term.sort)
-    return term  # a plain value inside an ints literal
-
-
-def _arith(op, left, right, sort):
-    if op == "/" and right == 0:  # egglog: i64 division by zero does not fire; f64 follows IEEE
-        if sort == "int":
-            raise _NotApplicable("integer division by zero")
-        return math.nan if left == 0 or math.isnan(left) else math.copysign(math.inf, left) * math.copysign(1, right)
-    if sort == "int" and op == "/":  # truncating, as i64 division
-        q = abs(left) // abs(right)
-        return q if (left >= 0) == (right > 0) else -q
-    return _ARITH[op](float(left), float(right)) if sort == "float" else _ARITH[op](left, right)
-
-
-def _op_attrs(pat: Pat, attrs) -> dict:
-    opdef = ops.get(pat.op)
-    return {name: _attr(v, attrs) for (name, _), v in zip(opdef.attrs, pat.args[opdef.arity:])}
-
-
-def _shape(term, shapes, attrs) -> tuple:
-    if isinstance(term, Var):
-        return tuple(shapes[term.name])
-    if isinstance(term, Lit) or term.op == "const":
-        return ()
-    opdef = ops.get(term.op)
-    operands = [_shape(a, shapes, attrs) for a in term.args[:opdef.arity]]
-    return tuple(opdef.shape(operands, _op_attrs(term, attrs)))
-
-
-def _evaluate(term, tensors, attrs) -> torch.Tensor:
-    value = _eval(term, tensors, attrs)
-    return torch.tensor(float(value), dtype=torch.float64) if isinstance(value, _Scalar) else value
-
-
-def _eval(term, tensors, attrs):
-    if isinstance(term, Var):
-        return tensors[term.name]
-    if isinstance(term, Lit):
-        return _Scalar(term.value)
-    if term.op == "const":
-        return _Scalar(_attr(term.args[0], attrs))
-    opdef = ops.get(term.op)
-    operands = [_eval(a, tensors, attrs) for a in term.args[:opdef.arity]]
-    return opdef.reference(_promote(operands), _op_attrs(term, attrs))
-
-
-def _promote(operands) -> list:
-    """Scalars become 0-d tensors of the dtype a Python float would give next to the tensor operands."""
-    dtypes = [o.dtype for o in operands if not isinstance(o, _Scalar)]
-    if len(dtypes) == len(operands):
-        return operands
-    dtype = torch.result_type(torch.zeros(1, dtype=reduce(torch.promote_types, dtypes)), 1.0) if dtypes else \
-        torch.float64
-    return [torch.tensor(float(o), dtype=dtype) if isinstance(o, _Scalar) else o for o in operands]
-
-
 # ---- comparing ----
 
 def _compare(inst: _Instance, result):
     """(error, failure message or '') for one instance; None when the rule would not fire."""
     try:
-        rhs = _evaluate(result, inst.tensors, inst.attrs)
-    except _NotApplicable:
+        rhs = evaluate(result, inst.tensors, inst.attrs)
+    except NotApplicable:
         return None
     except Exception as exc:
         return math.inf, f"the other side fails: {_explain(exc)}"
@@ -418,7 +342,7 @@ def _noise(inst, result, lhs, rhs):
         return 0.0
     wide = {n: t.double() for n, t in inst.tensors.items()}
     try:
-        lhs64, rhs64 = _evaluate(inst.pattern, wide, inst.attrs), _evaluate(result, wide, inst.attrs)
+        lhs64, rhs64 = evaluate(inst.pattern, wide, inst.attrs), evaluate(result, wide, inst.attrs)
     except Exception:
         return 0.0
     parts = [lhs.double(), lhs64.double(), rhs.double(), rhs64.double()]
