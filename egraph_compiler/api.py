@@ -32,7 +32,7 @@ class CompiledFunction:
 
 def compile(fn, example_inputs, *, target="cpu", rules=(), disable=(), unsafe=False,
             iter_limit=30, node_limit=50_000, time_limit=10.0, strict=False, extraction="greedy",
-            ilp_time_limit=5.0, profile=None) -> CompiledFunction:
+            ilp_time_limit=5.0, profile=None, dot=False) -> CompiledFunction:
     """Compile a function or nn.Module for inputs shaped like `example_inputs`.
 
     rules: extra rule files (paths) or rule text added to the library.
@@ -43,12 +43,13 @@ def compile(fn, example_inputs, *, target="cpu", rules=(), disable=(), unsafe=Fa
     "ilp" to also solve the integer program (HiGHS, `ilp_time_limit` seconds)
     and keep the cheaper plan.  profile: the cost model's device profile
     ("cpu" is calibrated on this machine by default; "cpu-default", "h200").
+    dot: keep the saturated e-graph as Graphviz DOT text in `levels.dot`.
     """
     example_inputs = _check_examples(example_inputs)
     if extraction not in ("greedy", "ilp"):
         raise ValueError(f"extraction must be 'greedy' or 'ilp', not {extraction!r}")
     options = Options(target, list(rules), list(disable), unsafe, iter_limit, node_limit, time_limit, strict,
-                      profile=profile, extraction=extraction, ilp_time_limit=ilp_time_limit)
+                      profile=profile, extraction=extraction, ilp_time_limit=ilp_time_limit, dot=dot)
     return CompiledFunction(*run_pipeline(fn, example_inputs, options))
 
 
@@ -65,7 +66,8 @@ def _check_examples(example_inputs) -> list:
 
 
 def explain(fn, example_inputs, **kwargs) -> Levels:
-    """Each level's text: ATen graph, Graph IR, e-graph, plan, loop IR, source."""
+    """Each level's text: ATen graph, Graph IR, e-graph, plan, loop IR, source
+    (and, with dot=True, the saturated e-graph in Graphviz DOT)."""
     return compile(fn, example_inputs, **kwargs).levels
 
 

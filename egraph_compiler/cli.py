@@ -33,15 +33,18 @@ def load_program(target: str, size: str):
 def explain(target: str = typer.Argument(..., help="workload name or PATH.py with program/example_inputs()"),
             size: str = typer.Option("test", help="workload size: test, cpu or gpu"),
             unsafe: bool = typer.Option(False, help="enable unsafe rules"),
-            level: str = typer.Option("all", help="one of aten, graph, egraph, plan, loops, source, all")):
+            level: str = typer.Option("all", help="one of aten, graph, egraph, plan, loops, source, all"),
+            dot: Path = typer.Option(None, help="also write the saturated e-graph here (Graphviz DOT)")):
     """Print each IR level of a compiled program."""
     from .api import explain as explain_program
     fn, inputs = load_program(target, size)
     try:
-        levels = explain_program(fn, inputs, unsafe=unsafe)
+        levels = explain_program(fn, inputs, unsafe=unsafe, dot=dot is not None)
     except EgraphCompilerError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1)
+    if dot is not None:
+        dot.write_text(levels.dot)
     typer.echo(str(levels) if level == "all" else getattr(levels, level))
 
 

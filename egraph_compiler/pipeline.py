@@ -47,6 +47,7 @@ class Options:
     profile: str | None = None
     extraction: str = "greedy"  # greedy | ilp
     ilp_time_limit: float = 5.0
+    dot: bool = False  # keep the saturated e-graph as Graphviz DOT text (levels.dot)
 
 
 @dataclass
@@ -57,6 +58,7 @@ class Levels:
     plan: str = ""
     loops: str = ""
     source: str = ""
+    dot: str = ""  # the saturated e-graph (Graphviz), when asked for
     timings: dict = field(default_factory=dict)
 
     def __str__(self) -> str:
@@ -114,6 +116,8 @@ def build_egraph(fn, example_inputs, options: Options, levels: Levels | None = N
         report = saturate.saturate(session, schedule(rules, phases), limits, feeder)
         levels.egraph = str(report)
         eclasses = extract.load(session.serialized(), graph, names)
+        if options.dot:
+            levels.dot = session.dot()
     extract.infer_types(eclasses, graph)
     return graph, eclasses, report
 

@@ -181,3 +181,12 @@ def test_non_tensor_example_inputs_get_a_clear_error():
         egc.compile(lambda x: x, {"x": torch.randn(3)})
     single = egc.compile(lambda x: x * 2.0, torch.ones(3))  # one tensor is taken as the only input
     torch.testing.assert_close(single(torch.ones(3)), torch.full((3,), 2.0))
+
+
+def test_explain_can_keep_the_saturated_egraph_as_dot(tmp_path):
+    fn, inputs = workloads.make("softmax", "test")
+    levels = egc.explain(fn, inputs, dot=True)
+    assert levels.dot.lstrip().startswith("digraph") and "Softmax" in levels.dot
+    out = tmp_path / "softmax.dot"
+    result = CliRunner().invoke(app, ["explain", "softmax", "--level", "plan", "--dot", str(out)])
+    assert result.exit_code == 0 and out.read_text().lstrip().startswith("digraph")
