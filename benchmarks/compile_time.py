@@ -49,7 +49,7 @@ def main() -> None:
     x = torch.randn(1, args.seq, 768)
     levels = Levels()
     start = time.perf_counter()
-    graph, eclasses, report = build_egraph(model, [x] + params, Options(time_limit=60.0), levels)
+    graph, eclasses, report, _ = build_egraph(model, [x] + params, Options(time_limit=60.0), levels)
     captured = levels.timings["capture"]
     saturated = time.perf_counter() - start - captured
     start = time.perf_counter()

@@ -65,7 +65,6 @@ _REDUCTIONS = {
 def render_kernel(k: LoopKernel) -> str:
     params = ", ".join(
         f"{'const ' if p.role == 'in' else ''}{CTYPES[p.dtype]}* __restrict__ {p.name}" for p in k.params)
-    out_type = CTYPES[next(p.dtype for p in k.params if p.role == "out")]
     parallel = k.outer > 1 and k.outer * k.inner >= PARALLEL_MIN
     lines = [f'extern "C" void {k.name}({params}) {{']
     if parallel:
@@ -85,15 +84,19 @@ def render_kernel(k: LoopKernel) -> str:
         lines.append(f"    for (int64_t r = 0; r < {k.inner}; ++r) " + step)
         if finish:
             lines.append(finish.format(acc=red.acc))
-    value = render_expr(k.value, TARGET)
-    store = f"{k.store_param}[{k.store_index}] = static_cast<{out_type}>({value});"
-    if k.store_in_inner:
+    types = {p.name: CTYPES[p.dtype] for p in k.params}
+    stores = [(k.store_param, k.store_index, k.value, k.store_in_inner)] + list(k.extra_stores)
+    inner = " ".join(_store(p, i, v, types) for p, i, v, in_inner in stores if in_inner)
+    if inner:
         lines.append("    #pragma omp simd")
-        lines.append(f"    for (int64_t r = 0; r < {k.inner}; ++r) {{ {store} }}")
-    else:
-        lines.append(f"    {store}")
+        lines.append(f"    for (int64_t r = 0; r < {k.inner}; ++r) {{ {inner} }}")
+    lines += [f"    {_store(p, i, v, types)}" for p, i, v, in_inner in stores if not in_inner]
     lines += ["  }", "}"]
     return "\n".join(lines)
+
+
+def _store(param, index, value, types) -> str:
+    return f"{param}[{index}] = static_cast<{types[param]}>({render_expr(value, TARGET)});"
 
 
 def render_program(kernels: list[LoopKernel]) -> str:

@@ -144,6 +144,8 @@ class LoopKernel:
     # The last reduction also writes its body into a per-row stash (`STASH`), and `value`
     # reads it back there instead of computing it again (softmax: one exp per element).
     stash_last: bool = False
+    # horizontally fused siblings: (param, index, value, in_inner) stored beside the main store
+    extra_stores: list = field(default_factory=list)
 
     def __str__(self) -> str:
         params = ", ".join(f"{p.role} {p.name}: {p.dtype}" for p in self.params)
@@ -152,11 +154,12 @@ class LoopKernel:
             stash = (f"  (kept in {STASH}[r])"
                      if self.stash_last and i == len(self.reductions) - 1 else "")
             lines.append(f"    {red.acc} = {red.combiner} over r in 0..{self.inner}: {expr_str(red.body)}{stash}")
-        if self.store_in_inner:
+        stores = [(self.store_param, self.store_index, self.value, self.store_in_inner)] + self.extra_stores
+        inner = [s for s in stores if s[3]]
+        if inner:
             lines.append(f"    for r in 0..{self.inner} (vector):")
-            lines.append(f"      {self.store_param}[{self.store_index}] = {expr_str(self.value)}")
-        else:
-            lines.append(f"    {self.store_param}[{self.store_index}] = {expr_str(self.value)}")
+            lines += [f"      {p}[{i}] = {expr_str(v)}" for p, i, v, _ in inner]
+        lines += [f"    {p}[{i}] = {expr_str(v)}" for p, i, v, in_inner in stores if not in_inner]
         return "\n".join(lines)
 
 
@@ -181,3 +184,31 @@ def substitute(expr, old, new):
 
 def contains(expr, sub) -> bool:
     return expr == sub or (isinstance(expr, Call) and any(contains(a, sub) for a in expr.args))
+
+
+def rename_accs(expr, mapping: dict):
+    if isinstance(expr, Acc):
+        return Acc(mapping.get(expr.name, expr.name))
+    if isinstance(expr, Call):
+        return Call(expr.op, tuple(rename_accs(a, mapping) for a in expr.args))
+    return expr
+
+
+def merge_siblings(first: "LoopKernel", second: "LoopKernel") -> "LoopKernel | None":
+    """One loop nest computing both kernels: valid whenever the two iterate the
+    same (outer, inner) ranges, since each body computes its own indices from
+    the loop variables.  None when they do not."""
+    if (first.outer, first.inner) != (second.outer, second.inner) or first.stash_last or second.stash_last:
+        return None
+    offset = len(first.reductions)
+    mapping = {r.acc: f"acc{offset + k}" for k, r in enumerate(second.reductions)}
+    reductions = first.reductions + [Reduction(mapping[r.acc], r.combiner, rename_accs(r.body, mapping))
+                                     for r in second.reductions]
+    names = {p.name for p in first.params}
+    ins = [p for p in first.params if p.role == "in"] + [p for p in second.params
+                                                         if p.role == "in" and p.name not in names]
+    outs = [p for p in first.params if p.role == "out"] + [p for p in second.params if p.role == "out"]
+    extra = first.extra_stores + [(second.store_param, second.store_index, rename_accs(second.value, mapping),
+                                   second.store_in_inner)] + second.extra_stores
+    return LoopKernel(first.name, ins + outs, first.outer, first.inner, reductions, first.store_param,
+                      first.store_index, first.value, first.store_in_inner, False, extra)

@@ -28,6 +28,7 @@ from .graph import Graph
 from .lower import lower_kernel
 from .plan import Plan, make_plan
 from .runtime import Executable
+from .siblings import fuse_siblings
 
 DEBUG_ENV = "EGC_DEBUG"
 PROFILE_ENV = "EGC_PROFILE"  # the default device profile (tests pin "cpu-default" for stable plans)
@@ -72,22 +73,25 @@ def run_pipeline(fn, example_inputs, options: Options):
     if options.target != "cpu":
         raise EgraphCompilerError(f"target {options.target!r} is not available; use target='cpu'")
     levels = Levels()
-    graph, eclasses, report = build_egraph(fn, example_inputs, options, levels)
+    graph, eclasses, report, rules = build_egraph(fn, example_inputs, options, levels)
 
     profile = profile_for(options.profile or os.environ.get(PROFILE_ENV) or options.target)
     clock = time.perf_counter()
     plan = _extract(eclasses, graph, profile, options)
     plan.rules_fired = dict(report.matches)
     levels.timings["extract"] = time.perf_counter() - clock
-    levels.plan = str(plan) + "\n\n" + str(plan.graph)
     _warn_fallbacks(plan)
 
     buffer_names = _buffer_names(plan.graph, plan)
     loops = [lower_kernel(k, buffer_names) for k in plan.kernels if k.kind == "generated"]
+    loops, followers = fuse_siblings(plan, loops, rules)
+    for kernel in plan.kernels:
+        kernel.loop_nest = followers.get(kernel.name, "")
+    levels.plan = str(plan) + "\n\n" + str(plan.graph)
     levels.loops = "\n\n".join(str(k) for k in loops)
     levels.source = render_program(loops)
     clock = time.perf_counter()
-    executable = Executable(plan, levels.source)
+    executable = Executable(plan, levels.source, loops, buffer_names)
     levels.timings["load"] = time.perf_counter() - clock
     if os.environ.get(DEBUG_ENV):
         print(levels, file=sys.stderr)
@@ -95,7 +99,7 @@ def run_pipeline(fn, example_inputs, options: Options):
 
 
 def build_egraph(fn, example_inputs, options: Options, levels: Levels | None = None):
-    """capture -> encode -> rules -> saturate; returns (graph, typed e-classes, report)."""
+    """capture -> encode -> rules -> saturate; returns (graph, typed e-classes, report, rules)."""
     levels = levels or Levels()
     clock = time.perf_counter()
     graph, levels.aten = capture_mod.capture(fn, example_inputs)
@@ -119,7 +123,7 @@ def build_egraph(fn, example_inputs, options: Options, levels: Levels | None = N
         if options.dot:
             levels.dot = session.dot()
     extract.infer_types(eclasses, graph)
-    return graph, eclasses, report
+    return graph, eclasses, report, rules
 
 
 _SESSIONS: dict[tuple, EgglogSession] = {}

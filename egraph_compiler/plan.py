@@ -32,10 +32,12 @@ class Kernel:
     bytes: float = 0.0
     seconds: float = 0.0
     reason: str = ""  # why an ATen fallback
+    loop_nest: str = ""  # the kernel whose loop nest also computes this one (horizontal fusion)
 
     def __str__(self) -> str:
         names = " -> ".join(n.op for n in self.ops if n.group != "boundary")
         extra = f"  [fallback: {self.reason}]" if self.reason else ""
+        extra += f"  [in {self.loop_nest}'s loop nest]" if self.loop_nest else ""
         return (f"{self.name} ({self.kind}): {names} : {type_str(self.output)}  "
                 f"flops={self.flops:.3g} bytes={self.bytes:.3g} est={self.seconds * 1e6:.1f}us{extra}")
 

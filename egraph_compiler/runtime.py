@@ -62,36 +62,42 @@ def torch_dtype(dtype: str) -> torch.dtype:
 class Executable:
     """Runs a plan: generated kernels through ctypes, the rest through torch."""
 
-    def __init__(self, plan: Plan, source: str):
+    def __init__(self, plan: Plan, source: str, loops, buffer_names: dict[int, str]):
         self.plan = plan
         self.graph: Graph = plan.graph
         self.compiled_now = False
         self._lib = None
-        if any(k.kind == "generated" for k in plan.kernels):
+        if loops:
             path, self.compiled_now = build_shared_object(source)
             self._lib = ctypes.CDLL(str(path))
-        self._steps = [self._step(k) for k in plan.kernels]
+        nodes = {name: node for node in _all_nodes(plan) for name in [buffer_names.get(id(node))] if name}
+        loops_by_name = {lk.name: lk for lk in loops}
+        self._steps = [self._step(k, loops_by_name, nodes) for k in plan.kernels]
         self._release = _last_uses(plan)
 
-    def _step(self, kernel):
-        node = kernel.output
-        if kernel.kind == "generated":
-            fn = getattr(self._lib, kernel.name)
-            fn.restype = None
-            fn.argtypes = [ctypes.c_void_p] * (len(kernel.inputs) + 1)
-            return ("generated", node, kernel.inputs, fn)
-        return (kernel.kind, node, None, None)
+    def _step(self, kernel, loops_by_name, nodes):
+        if kernel.kind != "generated":
+            return (kernel.kind, kernel.output, None, None)
+        if kernel.loop_nest:  # computed by its sibling's loop nest
+            return ("done", kernel.output, None, None)
+        loop = loops_by_name[kernel.name]
+        fn = getattr(self._lib, kernel.name)
+        fn.restype = None
+        fn.argtypes = [ctypes.c_void_p] * len(loop.params)
+        ins = [nodes[p.name] for p in loop.params if p.role == "in"]
+        outs = [nodes[p.name] for p in loop.params if p.role == "out"]
+        return ("generated", outs, ins, fn)
 
     @torch.no_grad()  # compiled programs are inference-only: no autograd graph is recorded
     def __call__(self, *args):
         env = self._bind(args)
         for step, (kind, node, inputs, fn) in enumerate(self._steps):
             if kind == "generated":
-                out = torch.empty(node.shape, dtype=torch_dtype(node.dtype))
-                fn(*[env[id(i)].data_ptr() for i in inputs], out.data_ptr())
-            else:
-                out = self._run_torch(node, env)
-            env[id(node)] = out
+                outs = [torch.empty(n.shape, dtype=torch_dtype(n.dtype)) for n in node]
+                fn(*[env[id(i)].data_ptr() for i in inputs], *[o.data_ptr() for o in outs])
+                env.update((id(n), o) for n, o in zip(node, outs))
+            elif kind != "done":
+                env[id(node)] = self._run_torch(node, env)
             for dead in self._release[step]:  # last reader done: the allocator can reuse it
                 del env[dead]
         results = tuple(self._result(o, env) for o in self.graph.outputs)
@@ -159,6 +165,13 @@ class Executable:
         if view_source(node).op == "input" or not value.is_contiguous():
             return value.clone(memory_format=torch.contiguous_format)  # never alias the caller's tensors
         return value
+
+
+def _all_nodes(plan: Plan):
+    for node in plan.graph.inputs:
+        yield node
+    for kernel in plan.kernels:
+        yield kernel.output
 
 
 def _last_uses(plan: Plan) -> list[list[int]]:

@@ -62,7 +62,7 @@ SMALL_PROGRAMS = [
 
 @pytest.mark.parametrize("name, fn, make", SMALL_PROGRAMS, ids=[p[0] for p in SMALL_PROGRAMS])
 def test_ilp_equals_enumeration_and_beats_greedy(name, fn, make):
-    graph, eg, _ = build_egraph(fn, make(), Options())
+    graph, eg, _, _ = build_egraph(fn, make(), Options())
     result = ilp.solve(eg, PROFILE, time_limit=20)
     assert result.proved_optimal
     optimum = enumerate_optimum(eg, PROFILE)

@@ -77,3 +77,37 @@ def test_fusion_can_be_switched_off():
     compiled = egc.compile(fn, inputs, disable=["fusion"])
     assert len(compiled.plan.kernels) == 2
     torch.testing.assert_close(compiled(*inputs), fn(*inputs), atol=1e-4, rtol=1e-4)
+
+
+def three_reads_of_x(x):
+    return torch.exp(x).sum(-1), torch.tanh(x).amax(-1), x * 2.0
+
+
+def test_horizontal_fusion_runs_siblings_in_one_loop_nest():
+    x = torch.randn(64, 128)
+    compiled = egc.compile(three_reads_of_x, [x])
+    first, *siblings = compiled.plan.kernels
+    assert len(compiled.plan.kernels) == 3 and all(k.loop_nest == first.name for k in siblings), str(compiled.plan)
+    assert compiled.source.count('extern "C" void') == 1  # one pass over x writes all three outputs
+    for got, want in zip(compiled(x), three_reads_of_x(x)):
+        torch.testing.assert_close(got, want)
+    separate = egc.compile(three_reads_of_x, [x], disable=["siblings"])
+    assert not any(k.loop_nest for k in separate.plan.kernels)
+    assert separate.source.count('extern "C" void') == 3
+
+
+def test_a_kernel_that_reads_its_sibling_is_not_fused_with_it():
+    def dependent(x):
+        s = torch.exp(x).sum(-1)
+        return s, torch.relu(x) + s.mean()
+    x = torch.randn(32, 64)
+    compiled = egc.compile(dependent, [x])
+    by_output = {id(k.output): k for k in compiled.plan.kernels}
+    for kernel in compiled.plan.kernels:
+        if kernel.loop_nest:
+            leader = next(k for k in compiled.plan.kernels if k.name == kernel.loop_nest)
+            assert id(leader.output) not in {id(i) for i in kernel.inputs}
+            assert all(id(i) not in by_output or compiled.plan.kernels.index(by_output[id(i)])
+                       < compiled.plan.kernels.index(leader) for i in kernel.inputs)
+    for got, want in zip(compiled(x), dependent(x)):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

@@ -68,6 +68,7 @@ class FuseRule:
     line: int = 0
     text: str = ""
     unsafe: bool = False
+    horizontal: bool = False  # `A & B`: sibling kernels share a loop nest (decided after extraction)
 
     @property
     def location(self) -> str:
@@ -154,13 +155,15 @@ class _Checker:
         return rules
 
     def fuse(self, node) -> FuseRule:
-        name, consumers, producers, *rest = node.children
+        name, consumers, kind, producers, *rest = node.children
         conditions = tuple(str(c) for c in rest[0].children) if rest else ()
         for cond, tok in zip(conditions, rest[0].children if rest else ()):
             if cond not in FUSE_CONDITIONS:
                 self.error(f"unknown fusion condition {cond!r}; known: {', '.join(FUSE_CONDITIONS)}", tok)
+        if str(kind) == "&" and conditions:
+            self.error("horizontal fusion takes no condition", node.meta)
         return FuseRule(str(name), self.group, self._op_set(consumers), self._op_set(producers), conditions,
-                        self.path, node.meta.line, _line(self.lines, node.meta.line))
+                        self.path, node.meta.line, _line(self.lines, node.meta.line), horizontal=str(kind) == "&")
 
     def _op_set(self, tree) -> tuple[str, ...]:
         out: list[str] = []

@@ -104,7 +104,7 @@ def facts_text(name: str, shape, dtype: str) -> str:
 def rule_commands(rule) -> list[str]:
     """egglog commands for one rule: a rewrite (two for `<=>`), named after it."""
     if isinstance(rule, FuseRule):
-        return fuse_commands(rule)
+        return [] if rule.horizontal else fuse_commands(rule)
     options: list[list[str]] = [[]]  # one guard list per alternative of `in` conditions
     for cond in rule.conditions:
         if cond.is_assumption:
