@@ -9,7 +9,7 @@ ill-shaped term cannot exist.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -190,7 +190,7 @@ def format_attr(v) -> str:
     return str(v)
 
 
-def format_nodes(inputs, outputs, names: Callable | None = None) -> str:
+def format_nodes(inputs, outputs) -> str:
     """Stable text form: one SSA line per node, inputs by name, constants inline."""
     ids: dict[int, str] = {}
     for n in inputs:

@@ -16,7 +16,7 @@ import math
 from .errors import CodegenError
 from .graph import Node, const
 from .loopir import STASH, Acc, Affine, Call, Const, Load, LoopKernel, Param, Reduction, contains, substitute
-from .plan import Kernel
+from .plan import Kernel, computed_nodes
 
 
 def _inl(op, *args, **attrs) -> Node:
@@ -111,25 +111,9 @@ def _stash_last_reduction(k: LoopKernel, dtype: str) -> None:
     k.stash_last = True
 
 
-def _computed(root: Node):
-    """Nodes the kernel computes (through inline edges and views)."""
-    seen, stack = set(), [root]
-    while stack:
-        n = stack.pop()
-        if id(n) in seen:
-            continue
-        seen.add(id(n))
-        yield n
-        for a in n.args:
-            while a.group == "layout":
-                a = a.args[0]
-            if a.op == "inline":
-                stack.append(a.args[0])
-
-
 def _reduced_dims(tree: Node, domain) -> tuple:
     found: set[tuple] = set()
-    for n in _computed(tree):
+    for n in computed_nodes(tree):
         if n.group == "reduction":
             if n.args[0].shape != tuple(domain):
                 raise CodegenError(f"reduction over {list(n.args[0].shape)} inside a kernel over {list(domain)}")

@@ -169,17 +169,22 @@ def _inline_edges(node: Node):
             yield a, a.args[0]
 
 
-def _reductions_in(target: Node):
-    """Reductions (and row composites) computed at this inline target or below it in the kernel."""
-    seen, stack = set(), [target]
+def computed_nodes(root: Node):
+    """`root` and every node below it reached through inline edges (and views):
+    what one kernel computes."""
+    seen, stack = set(), [root]
     while stack:
         n = stack.pop()
         if id(n) in seen:
             continue
         seen.add(id(n))
-        if n.group in ("reduction", "row"):
-            yield n
+        yield n
         stack.extend(t for _, t in _inline_edges(n))
+
+
+def _reductions_in(target: Node):
+    """Reductions (and row composites) computed at this inline target or below it in the kernel."""
+    return (n for n in computed_nodes(target) if n.group in ("reduction", "row"))
 
 
 def _rebuild(graph: Graph, cut: set[int]) -> Graph:

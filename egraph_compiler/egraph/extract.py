@@ -21,7 +21,6 @@ class ENode:
     op: str
     children: tuple[str, ...]  # tensor e-class ids
     attrs: dict
-    valid: bool = True
 
 
 @dataclass
@@ -121,7 +120,6 @@ def infer_types(eg: EClassGraph, graph: Graph) -> None:
         try:
             shape, dtype = _node_type(en, eg, inputs)
         except ops.ShapeError as exc:
-            en.valid = False
             raise UnsoundRuleError(f"a rule produced an ill-shaped {en.op} term: {exc}") from None
         known = eg.shape.get(class_id)
         if known is not None:
@@ -139,10 +137,6 @@ def infer_types(eg: EClassGraph, graph: Graph) -> None:
 
 def _dtype_conflict(a: str, b: str) -> bool:
     return a != b and WEAK not in (a, b)
-
-
-def _concrete(dtype: str) -> str:
-    return "float32" if dtype == WEAK else dtype
 
 
 def _node_type(en: ENode, eg: EClassGraph, inputs) -> tuple[tuple, str]:
