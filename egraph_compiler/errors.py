@@ -32,3 +32,11 @@ class UnsoundRuleError(EgraphCompilerError):
 
 class CodegenError(EgraphCompilerError):
     """Generated code failed to compile: a bug in the compiler, never the user's."""
+
+
+class CacheError(EgraphCompilerError):
+    """The on-disk kernel cache is unsafe to load from (shared or foreign-owned) or cannot be written."""
+
+
+class ToolchainError(CodegenError):
+    """The C++ compiler (CXX) could not be run at all: a setup problem, not a compiler bug."""
