@@ -5,7 +5,7 @@ import warnings
 
 import torch
 
-from .errors import InputError
+from .errors import EagerFallbackWarning, InputError
 from .pipeline import Levels, Options, run_pipeline
 
 
@@ -14,8 +14,10 @@ class CompiledFunction:
     chosen kernels), `source` (generated code), `report` (saturation) and
     `levels` (every IR level's text)."""
 
-    def __init__(self, executable, plan, report, levels: Levels):
+    def __init__(self, executable, plan, report, levels: Levels, fn=None):
         self._executable = executable
+        self._fn = fn
+        self._warned_grad = False
         self.plan = plan
         self.report = report
         self.levels = levels
@@ -27,7 +29,29 @@ class CompiledFunction:
         return self._executable.compiled_now
 
     def __call__(self, *args):
+        if torch.is_grad_enabled() and self._needs_grad(args):
+            return self._run_eagerly(args)
         return self._executable(*args)
+
+    def _needs_grad(self, args) -> bool:
+        bound = self.plan.graph.bound.values()
+        return any(isinstance(a, torch.Tensor) and a.requires_grad for a in args) or \
+            any(b.get().requires_grad for b in bound)
+
+    def _run_eagerly(self, args):
+        """Compiled programs do not record autograd graphs yet: a call that
+        needs gradients runs the original program, with a warning, rather
+        than return tensors silently detached from the graph."""
+        if self._fn is None:
+            raise InputError("this compiled program is inference-only: call it under torch.no_grad() or "
+                             "torch.inference_mode(), or with inputs that do not require grad")
+        if not self._warned_grad:
+            self._warned_grad = True
+            warnings.warn(EagerFallbackWarning(
+                "egraph-compiler: inputs or parameters require grad, and compiled programs are inference-only "
+                "for now: this call runs eagerly (wrap inference in torch.no_grad() to run the compiled code)"),
+                stacklevel=3)
+        return self._fn(*args)
 
 
 def compile(fn, example_inputs, *, target="cpu", rules=(), disable=(), unsafe=False,
@@ -50,7 +74,7 @@ def compile(fn, example_inputs, *, target="cpu", rules=(), disable=(), unsafe=Fa
         raise ValueError(f"extraction must be 'greedy' or 'ilp', not {extraction!r}")
     options = Options(target, list(rules), list(disable), unsafe, iter_limit, node_limit, time_limit, strict,
                       profile=profile, extraction=extraction, ilp_time_limit=ilp_time_limit, dot=dot)
-    return CompiledFunction(*run_pipeline(fn, example_inputs, options))
+    return CompiledFunction(*run_pipeline(fn, example_inputs, options), fn=fn)
 
 
 def _check_examples(example_inputs) -> list:
@@ -79,6 +103,11 @@ def dynamo_backend(gm, example_inputs, **kwargs):
     if not all(isinstance(x, torch.Tensor) and all(isinstance(d, int) for d in x.shape) for x in example_inputs):
         warnings.warn("egraph-compiler: a graph with dynamic shapes runs eagerly (compile with "
                       "torch.compile(..., dynamic=False) to compile each shape)", stacklevel=2)
+        return gm.forward
+    if torch.is_grad_enabled() and any(x.requires_grad for x in example_inputs):
+        warnings.warn(EagerFallbackWarning(
+            "egraph-compiler: this graph needs gradients and compiled programs are inference-only for now: "
+            "it runs eagerly (use torch.no_grad() for compiled inference)"), stacklevel=2)
         return gm.forward
     compiled = compile(gm, list(example_inputs), **kwargs)
 

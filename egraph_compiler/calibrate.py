@@ -16,7 +16,7 @@ import torch
 
 from . import ops
 from .cost import PROFILES, DeviceProfile
-from .runtime import cache_dir
+from .cache import cache_dir
 
 PROFILE_VERSION = 3
 

@@ -19,7 +19,7 @@ import torch.fx
 
 from . import ops
 from .errors import CaptureError
-from .graph import ExternCall, Graph, Node, const, input_node
+from .graph import TENSOR_SLOT, WEAK, Bound, ExternCall, Graph, Literal, Node, const, input_node
 
 aten = torch.ops.aten
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -34,8 +34,8 @@ class _Wrap(torch.nn.Module):
         return self.fn(*args)
 
 
-def export_aten(fn, example_inputs) -> torch.export.ExportedProgram:
-    module = fn if isinstance(fn, torch.nn.Module) else _Wrap(fn)
+def export_aten(module: torch.nn.Module, example_inputs) -> torch.export.ExportedProgram:
+    fn = module.fn if isinstance(module, _Wrap) else module
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         # Strict (Dynamo) capture records the user's source lines; a graph that
@@ -56,7 +56,8 @@ def export_aten(fn, example_inputs) -> torch.export.ExportedProgram:
 
 def capture(fn, example_inputs) -> tuple[Graph, str]:
     """Returns the Graph IR and the ATen graph's text."""
-    program = export_aten(fn, example_inputs)
+    module = fn if isinstance(fn, torch.nn.Module) else _Wrap(fn)
+    program = export_aten(module, example_inputs)
     gm = program.graph_module
     kinds = {spec.arg.name: spec for spec in program.graph_signature.input_specs}
     env: dict[str, object] = {}
@@ -73,8 +74,7 @@ def capture(fn, example_inputs) -> tuple[Graph, str]:
             if spec.kind.name == "USER_INPUT":
                 user_index += 1
             else:
-                source = program.state_dict if spec.target in program.state_dict else program.constants
-                bound[name] = source[spec.target]
+                bound[name] = _bound(module, program, spec.target)
             inputs.append(node)
             env[fx_node.name] = node
             placeholder_names[fx_node.name] = name
@@ -83,21 +83,41 @@ def capture(fn, example_inputs) -> tuple[Graph, str]:
                 continue  # a check with no result (e.g. _assert_tensor_metadata)
             env[fx_node.name] = _convert(fx_node, env, where)
         elif fx_node.op == "output":
-            outs = tuple(env[a.name] for a in fx_node.args[0])
-    outs, mutations = _split_outputs(program, outs, placeholder_names)
-    for out in outs:
-        if not isinstance(out, Node):
-            raise CaptureError("the program must return tensors")
-    return Graph(inputs, outs, bound, where, mutations), gm.code.strip()
+            outs = tuple(env[a.name] if isinstance(a, torch.fx.Node) else Literal(a) for a in fx_node.args[0])
+    outs, mutations, leaves = _split_outputs(program, outs, placeholder_names)
+    graph = Graph(inputs, outs, bound, where, mutations, (program.call_spec.out_spec, leaves))
+    return graph, gm.code.strip()
+
+
+def _bound(module: torch.nn.Module, program, target: str) -> Bound:
+    """Where a parameter or buffer input comes from: read from the module at
+    call time when its attribute path leads to the captured tensor, else the
+    captured constant."""
+    value = program.state_dict[target] if target in program.state_dict else program.constants[target]
+    live = Bound(module, target)
+    try:
+        if live.get() is value:
+            return live
+    except AttributeError:
+        pass
+    return Bound(None, target, value)
 
 
 def _split_outputs(program, outs, placeholder_names):
-    """User outputs first, then the new values of mutated inputs and buffers."""
-    user, mutated = [], []
+    """User outputs first, then the new values of mutated inputs and buffers;
+    and the leaves of the user's result structure (an index into the outputs,
+    or a Literal the program returns as it is)."""
+    user, mutated, leaves = [], [], []
     for spec, node in zip(program.graph_signature.output_specs, outs):
         kind = spec.kind.name
-        if kind == "USER_OUTPUT":
+        if kind == "USER_OUTPUT" and isinstance(node, Literal):
+            leaves.append(node)
+        elif kind == "USER_OUTPUT" and isinstance(node, Node):
+            leaves.append(len(user))
             user.append(node)
+        elif kind == "USER_OUTPUT":
+            raise CaptureError(f"the program returns a {type(node).__name__}; compiled programs return tensors, "
+                               f"Python scalars, or dicts, lists and tuples of them")
         elif kind == "USER_INPUT_MUTATION":
             mutated.append((placeholder_names[spec.target], node))
         elif kind == "BUFFER_MUTATION":
@@ -106,7 +126,7 @@ def _split_outputs(program, outs, placeholder_names):
             raise CaptureError(f"unsupported program output ({kind.lower()}); only tensors, and in-place "
                                f"updates of inputs and buffers, are supported")
     mutations = [(name, len(user) + i) for i, (name, _) in enumerate(mutated)]
-    return tuple(user) + tuple(node for _, node in mutated), mutations
+    return tuple(user) + tuple(node for _, node in mutated), mutations, leaves
 
 
 def _parameter_names(fn, count: int) -> list[str]:
@@ -144,11 +164,37 @@ def _convert(fx_node, env, where) -> object:
             result = converter(*args, **kwargs)
         except (ops.ShapeError, TypeError, ValueError, KeyError):
             result = None  # a form of the op we do not model: run it through ATen
+    if isinstance(result, Node):
+        result = _as_torch_types(result, fx_node.meta.get("val"))
     if result is None:
         result = _extern(fx_node, env)
     for node in result if isinstance(result, (list, tuple)) else [result]:
         where.setdefault(id(node), user_line(fx_node))
     return result
+
+
+COMPARISONS = {"gt", "ge", "lt", "le", "eq", "ne"}
+
+
+def _as_torch_types(node: Node, val) -> Node | None:
+    """The converted node with torch's result dtype and shape, or None (run it
+    through ATen) where the op table's rules cannot give them.  Arithmetic
+    operands are cast to the result dtype first, as torch computes in it:
+    `int64 * 0.5` is float32 arithmetic, and so is `int64 / 2`, whose rewrite
+    to `* 0.5` then keeps its type."""
+    if not isinstance(val, torch.Tensor):
+        return node
+    want = str(val.dtype).removeprefix("torch.")
+    if node.group == "pointwise" and node.op not in COMPARISONS and node.op != "cast":
+        values = range(1, 3) if node.op == "where" else range(len(node.args))
+        args = tuple(Node.make("cast", (a,), {"dtype": want}) if k in values and a.dtype not in (want, WEAK) else a
+                     for k, a in enumerate(node.args))
+        node = node if args == node.args else Node.make(node.op, args, node.a)
+    try:
+        same_shape = tuple(int(d) for d in val.shape) == node.shape
+    except TypeError:  # symbolic sizes
+        same_shape = False
+    return node if same_shape and node.dtype == want else None
 
 
 def _arg(a, env):
@@ -165,7 +211,7 @@ def _extern(fx_node, env) -> object:
     def freeze(a):
         if isinstance(a, torch.fx.Node):
             tensors.append(env[a.name])
-            return None
+            return TENSOR_SLOT
         if isinstance(a, (list, tuple)):
             return ("__list__",) + tuple(freeze(x) for x in a)
         return a

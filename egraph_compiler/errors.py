@@ -40,3 +40,7 @@ class CacheError(EgraphCompilerError):
 
 class ToolchainError(CodegenError):
     """The C++ compiler (CXX) could not be run at all: a setup problem, not a compiler bug."""
+
+
+class EagerFallbackWarning(UserWarning):
+    """A compiled program (or graph) ran eagerly instead: said once, never silent."""

@@ -16,13 +16,25 @@ import torch
 from . import ops
 
 WEAK = "weak"  # dtype of a Python scalar: it adopts its partner's dtype
+INTEGRAL = {"bool", "uint8", "int8", "int16", "int32", "int64"}
+
+
+class _TensorSlot:
+    """Marks where a tensor operand goes in an extern call's arguments (a real
+    `None` argument, such as sdpa's `attn_mask=None`, stays None)."""
+
+    def __repr__(self):
+        return "<tensor>"
+
+
+TENSOR_SLOT = _TensorSlot()
 
 
 @dataclass(frozen=True, eq=False)
 class ExternCall:
     """An ATen op outside the vocabulary, with its non-tensor arguments frozen."""
     target: Any  # torch OpOverload
-    template: tuple  # args with tensor positions replaced by None
+    template: tuple  # args with tensor positions replaced by TENSOR_SLOT
     kwargs: tuple
     shape: tuple
     dtype: str
@@ -40,8 +52,32 @@ class ExternCall:
         return out[self.item] if self.item is not None else out
 
 
+@dataclass(frozen=True)
+class Bound:
+    """A parameter or buffer input, read from its module at call time (as
+    torch.compile does), so that reassigning `m.weight` is seen; `value` is a
+    constant tensor of the program instead (no module)."""
+    module: Any
+    target: str
+    value: Any = None
+
+    def get(self) -> torch.Tensor:
+        if self.module is None:
+            return self.value
+        obj = self.module
+        for part in self.target.split("."):
+            obj = getattr(obj, part)
+        return obj
+
+
+@dataclass(frozen=True)
+class Literal:
+    """A non-tensor value the program returns, passed through as it is."""
+    value: Any
+
+
 def _fill(a, it):
-    if a is None:
+    if a is TENSOR_SLOT:
         return next(it)
     if isinstance(a, tuple) and a and a[0] == "__list__":
         return [_fill(x, it) for x in a[1:]]
@@ -116,6 +152,8 @@ def result_dtype(opdef: ops.OpDef, args, attrs) -> str:
         return attrs.get("dtype", WEAK)
     if opdef.dtype == "first":
         return args[0].dtype
+    if opdef.dtype == "sum":  # torch sums integers and bools in int64
+        return "int64" if args[0].dtype in INTEGRAL else args[0].dtype
     operands = args[1:] if opdef.name == "where" else args
     strong = [a.dtype for a in operands if a.dtype != WEAK]
     if not strong:
@@ -142,11 +180,15 @@ def input_node(name: str, shape, dtype: str) -> Node:
 class Graph:
     inputs: list[Node]  # input nodes, in call order
     outputs: tuple[Node, ...]
-    bound: dict[str, torch.Tensor] = field(default_factory=dict)  # parameters: input name -> live tensor
+    bound: dict[str, "Bound"] = field(default_factory=dict)  # parameters and buffers: input name -> where
+
     where: dict[int, str] = field(default_factory=dict)  # id(node) -> user source line
     # in-place updates of inputs or buffers: (input name, index into outputs of the new value);
     # those outputs follow the user's, and the runtime copies them back
     mutations: list[tuple[str, int]] = field(default_factory=list)
+    # the user's result structure: (pytree spec, leaves), a leaf an int (index into outputs) or
+    # Literal(value) for a non-tensor the program returns; None: the outputs as a tuple
+    results: tuple | None = None
 
     @property
     def user_outputs(self) -> int:
@@ -211,3 +253,33 @@ def format_nodes(inputs, outputs) -> str:
         lines.append(f"  {ids[id(node)]} = {node.op}({', '.join(operands)}) : {type_str(node)}")
     lines.append("  return " + ", ".join(ids[id(o)] for o in outputs))
     return "\n".join(lines)
+
+
+# ---- kernel structure: which nodes one kernel computes (inline edges) ----
+
+def view_source(node: Node) -> Node:
+    """The tensor a chain of views reads from."""
+    while node.group == "layout":
+        node = node.args[0]
+    return node
+
+
+def inline_edges(node: Node):
+    """(inline node, its target) for each operand computed inside this kernel."""
+    for a in node.args:
+        a = view_source(a)
+        if a.op == "inline":
+            yield a, a.args[0]
+
+
+def computed_nodes(root: Node):
+    """`root` and every node below it reached through inline edges (and views):
+    what one kernel computes."""
+    seen, stack = set(), [root]
+    while stack:
+        n = stack.pop()
+        if id(n) in seen:
+            continue
+        seen.add(id(n))
+        yield n
+        stack.extend(t for _, t in inline_edges(n))

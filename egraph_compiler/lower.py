@@ -12,11 +12,14 @@ so a row and its fused neighbours lower as one kernel.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 from .errors import CodegenError
-from .graph import Node, const
+from .graph import Node, computed_nodes, const, inline_edges
 from .loopir import STASH, Acc, Affine, Call, Const, Load, LoopKernel, Param, Reduction, contains, substitute
-from .plan import Kernel, computed_nodes
+
+if TYPE_CHECKING:
+    from .plan import Kernel
 
 
 def _inl(op, *args, **attrs) -> Node:
@@ -47,8 +50,9 @@ def expand_row(node: Node) -> Node:
     raise CodegenError(f"no row lowering for {node.op}")
 
 
-def expand_rows(root: Node) -> Node:
-    """The kernel tree with every computed row composite expanded."""
+def expand_rows(root: Node, origin: dict[int, Node]) -> Node:
+    """The kernel tree with every computed row composite expanded; `origin`
+    maps each node of the new tree to the node of `root`'s tree it stands for."""
     memo: dict[int, Node] = {}
 
     def edge(a: Node) -> Node:
@@ -65,25 +69,45 @@ def expand_rows(root: Node) -> Node:
         args = tuple(edge(a) for a in n.args)
         out = n if args == n.args else Node.make(n.op, args, n.a)
         if out.group == "row":
-            out = visit(expand_row(out))
+            out = expand_row(out)
+            for part in computed_nodes(out):
+                origin.setdefault(id(part), n)
+        origin.setdefault(id(out), n)
         memo[id(n)] = out
         return out
     return visit(root)
 
 
+class IllegalKernel(Exception):
+    """A kernel whose reductions cannot share one loop nest; `nodes` are the
+    (original) inline targets to materialise instead."""
+
+    def __init__(self, nodes):
+        super().__init__(f"{len(nodes)} reduction(s) disagree with the kernel's loop nest")
+        self.nodes = nodes
+
+
+def illegal_edges(root: Node) -> set[int]:
+    """The `inline` edges of the kernel rooted at `root` that must become
+    materialised edges for its reductions to fit one loop nest (empty: legal)."""
+    try:
+        _layout(root)
+    except IllegalKernel as exc:
+        blamed = {id(n) for n in exc.nodes}
+        if id(root) in blamed:
+            raise CodegenError(f"kernel rooted at {root.op} cannot be lowered: its own reductions disagree")
+        return {id(edge) for n in computed_nodes(root) for edge, target in inline_edges(n) if id(target) in blamed}
+    return set()
+
+
 def lower_kernel(kernel: Kernel, buffer_names: dict[int, str]) -> LoopKernel:
     root = kernel.output
-    tree = expand_rows(root)
-    if tree.group == "layout":  # a program output that is a view: copy it
-        tree = Node.make("add", (tree, const(0.0)))
+    tree, domain, inner_dims = _layout(root)
     reduce_root = tree.group == "reduction"
-    domain = tree.args[0].shape if reduce_root else tree.shape
-    red_dims = _reduced_dims(tree, domain)
-    inner_dims = red_dims or ((len(domain) - 1,) if domain else ())
     lowering = _Lowering(domain, inner_dims, buffer_names)
     if reduce_root:
-        value = lowering.reduction(tree)
-        kept = [lowering.index[d] for d in range(len(domain)) if d not in red_dims or tree.attr("keepdim")]
+        kept = [lowering.index[d] for d in range(len(domain)) if d not in _dims(tree) or tree.attr("keepdim")]
+        value = lowering.compute(tree, kept)
         out_index = lowering.linear(kept, root.shape)
     else:
         value = lowering.compute(tree, lowering.index)
@@ -96,13 +120,75 @@ def lower_kernel(kernel: Kernel, buffer_names: dict[int, str]) -> LoopKernel:
     return out
 
 
+def _layout(root: Node):
+    """(expanded tree, loop domain, inner dims) of the kernel rooted at `root`.
+
+    Legality is a matter of index maps, not shapes: the tree is evaluated once
+    at a symbolic index (one variable per domain dim, fresh variables for each
+    reduction's reduced dims), and every reduction must then reduce as many
+    elements as the inner loop runs, at a row position that uses outer
+    variables only.  Raises IllegalKernel naming the reductions that cannot."""
+    origin: dict[int, Node] = {}
+    tree = expand_rows(root, origin)
+    if tree.group == "layout":  # a program output that is a view: copy it
+        tree = Node.make("add", (tree, const(0.0)))
+    domain = tuple(tree.args[0].shape if tree.group == "reduction" else tree.shape)
+    probe = _Lowering(domain, None, {})
+    if tree.group == "reduction":
+        probe.compute(tree, [probe.index[d] for d in range(len(domain))
+                             if d not in _dims(tree) or tree.attr("keepdim")])
+    else:
+        probe.compute(tree, probe.index)
+    depth = _inline_depth(root)
+    found = sorted(probe.found, key=lambda f: depth.get(id(origin.get(id(f[0]), f[0])), 1 << 30))
+    # a reduction at the root reduces over the inner loop by definition
+    inner = {tuple(d for d in _dims(tree) if domain[d] > 1)} if tree.group == "reduction" else None
+    blamed = []
+    for node, used, count in found:
+        free = [d for d in range(len(domain)) if domain[d] > 1 and f"d{d}" not in used]
+        options = {s for s in _subsets(free) if math.prod(domain[d] for d in s) == count}
+        if any(not v.startswith("d") for v in used) or not (options if inner is None else inner & options):
+            blamed.append(origin.get(id(node), node))
+        else:
+            inner = options if inner is None else inner & options
+    if blamed:
+        raise IllegalKernel(blamed)
+    if inner is None:
+        return tree, domain, ((len(domain) - 1,) if domain else ())
+    return tree, domain, max(inner, key=lambda s: (sorted(s, reverse=True), len(s)))
+
+
+def _subsets(dims):
+    return {tuple(d for k, d in enumerate(dims) if mask >> k & 1) for mask in range(1 << len(dims))}
+
+
+def _inline_depth(root: Node) -> dict[int, int]:
+    """Inline edges between `root` and each node its kernel computes: the
+    reductions nearest the root decide the loop nest, the others give way."""
+    depth, frontier = {id(root): 0}, [root]
+    while frontier:
+        following = []
+        for n in frontier:
+            for _, target in inline_edges(n):
+                if id(target) not in depth:
+                    depth[id(target)] = depth[id(n)] + 1
+                    following.append(target)
+        frontier = following
+    return depth
+
+
+def _dims(node: Node) -> tuple:
+    rank = len(node.args[0].shape)
+    return tuple(sorted(d % rank for d in node.attr("dims")))
+
+
 STASH_LIMIT = 16384  # floats: a row's stash lives on the stack (64 KB), like Inductor's local buffer
 
 
 def _stash_last_reduction(k: LoopKernel, dtype: str) -> None:
     """When the store recomputes the last reduction's body at the same element,
     keep the body in a per-row stash during the reduction and read it back."""
-    if not (k.store_in_inner and k.reductions and dtype == "float32" and k.inner <= STASH_LIMIT):
+    if not (k.store_in_inner and k.reductions and dtype == "float32" and 0 < k.inner <= STASH_LIMIT):
         return
     body = k.reductions[-1].body
     if isinstance(body, (Load, Const)) or not contains(k.value, body):
@@ -111,32 +197,43 @@ def _stash_last_reduction(k: LoopKernel, dtype: str) -> None:
     k.stash_last = True
 
 
-def _reduced_dims(tree: Node, domain) -> tuple:
-    found: set[tuple] = set()
-    for n in computed_nodes(tree):
-        if n.group == "reduction":
-            if n.args[0].shape != tuple(domain):
-                raise CodegenError(f"reduction over {list(n.args[0].shape)} inside a kernel over {list(domain)}")
-            found.add(tuple(sorted(d % len(domain) for d in n.attr("dims"))))
-    if len(found) > 1:
-        raise CodegenError(f"reductions over different dims in one kernel: {sorted(found)}")
-    return found.pop() if found else ()
+def _decompose(var: str, sizes) -> list[Affine]:
+    """Row-major digits of a linear loop variable over `sizes`."""
+    total = math.prod(sizes)
+    if total == 0:
+        return [Affine() for _ in sizes]
+    linear, stride, out = Affine.var(var, total), total, []
+    for size in sizes:
+        stride //= size
+        out.append(linear.floordiv(stride).mod(size))
+    return out
+
+
+EMPTY_REDUCTION = {"sum": 0.0, "mean": math.nan, "amax": -math.inf}
 
 
 class _Lowering:
+    """Evaluates a kernel tree at a symbolic index.  With `inner_dims` None it
+    is the probe of `_layout`: one variable per domain dim, and it records each
+    reduction's row-position variables and element count in `found`."""
+
     def __init__(self, domain, inner_dims, buffer_names):
+        self.buffer_names = buffer_names
+        self.probing = inner_dims is None
+        self.reductions: list[Reduction] = []
+        self.found: list[tuple[Node, set, int]] = []
+        self._accs: dict[tuple, Acc] = {}
+        self.index = [None] * len(domain)
+        if inner_dims is None:
+            self.outer = self.inner = 0
+            self.index = [Affine.var(f"d{d}", n) for d, n in enumerate(domain)]
+            return
         outer_dims = tuple(d for d in range(len(domain)) if d not in inner_dims)
         self.outer = math.prod(domain[d] for d in outer_dims)
         self.inner = math.prod(domain[d] for d in inner_dims)
-        self.buffer_names = buffer_names
-        self.reductions: list[Reduction] = []
-        self._accs: dict[int, Acc] = {}
-        self.index = [None] * len(domain)
-        for var, dims, total in (("o", outer_dims, self.outer), ("r", inner_dims, self.inner)):
-            linear, stride = Affine.var(var, total), total
-            for d in dims:
-                stride //= domain[d]
-                self.index[d] = linear.floordiv(stride).mod(domain[d])
+        for var, dims in (("o", outer_dims), ("r", inner_dims)):
+            for d, index in zip(dims, _decompose(var, [domain[d] for d in dims])):
+                self.index[d] = index
 
     @staticmethod
     def linear(index, shape) -> Affine:
@@ -155,30 +252,58 @@ class _Lowering:
             return self.compute(a.args[0], index)
         if a.group == "layout":
             return self.operand(a.args[0], _view_index(a, index))
-        if id(a) not in self.buffer_names:
+        if id(a) not in self.buffer_names and not self.probing:
             raise CodegenError(f"{a.op} is read but never materialised")
-        return Load(self.buffer_names[id(a)], self.linear(index, a.shape))
+        return Load(self.buffer_names.get(id(a), "?"), self.linear(index, a.shape))
 
     def compute(self, n: Node, index):
         if n.op in ("input", "const") or n.group == "layout":
             return self.operand(n, index)
         if n.group == "reduction":
-            return self.reduction(n)
+            return self.reduction(n, index)
         if n.group != "pointwise":
             raise CodegenError(f"{n.op} cannot be computed inside a generated kernel")
         return Call(n.op, tuple(self.operand(a, _broadcast_index(index, n.shape, a.shape)) for a in n.args))
 
-    def reduction(self, node: Node):
-        """The reduction's value at the current outer index (an accumulator)."""
-        if id(node) not in self._accs:
-            body = self.operand(node.args[0], self.index)
+    def reduction(self, node: Node, index):
+        """The reduction's value at `index` (of its result): an accumulator over
+        the inner loop, whose row position `index` must not vary along it."""
+        src, dims = node.args[0].shape, _dims(node)
+        kept = [d for d in range(len(src)) if d not in dims]
+        row = [index[d] for d in kept] if node.attr("keepdim") else list(index)
+        count = math.prod(src[d] for d in dims)
+        if count == 0:
+            return Const(EMPTY_REDUCTION[node.op])
+        full = [None] * len(src)
+        for d, i in zip(kept, row):
+            full[d] = i
+        if count == 1:  # one element: the reduction is its operand
+            for d in dims:
+                full[d] = Affine()
+            return self.operand(node.args[0], full)
+        key = (id(node), tuple(str(i) for i in row))
+        if key not in self._accs:
+            reduced = ([Affine.var(f"red{len(self.reductions)}_{d}", src[d]) for d in dims] if self.probing
+                       else _decompose("r", [src[d] for d in dims]))
+            for d, i in zip(dims, reduced):
+                full[d] = i
+            if self.probing:
+                self.found.append((node, set().union(*(_variables(i) for i in row)), count))
+            elif any("r" in _variables(i) for i in row):
+                raise CodegenError(f"{node.op}: row position varies along the inner loop (an illegal fusion)")
             acc = Acc(f"acc{len(self.reductions)}")
-            self.reductions.append(Reduction(acc.name, "max" if node.op == "amax" else "sum", body))
-            self._accs[id(node)] = acc
-        acc = self._accs[id(node)]
-        if node.op == "mean":
-            return Call("mul", (acc, Const(1.0 / self.inner)))
-        return acc
+            self.reductions.append(Reduction(acc.name, "max" if node.op == "amax" else "sum",
+                                             self.operand(node.args[0], full)))
+            self._accs[key] = acc
+        acc = self._accs[key]
+        return Call("mul", (acc, Const(1.0 / count))) if node.op == "mean" else acc
+
+
+def _variables(index: Affine) -> set:
+    out = set()
+    for term, _ in index.terms:
+        out |= {term[1]} if term[0] == "var" else _variables(term[1])
+    return out
 
 
 def _broadcast_index(index, out_shape, in_shape):

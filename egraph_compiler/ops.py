@@ -43,7 +43,7 @@ class OpDef:
     shape: Callable[[list[Shape], dict], Shape]
     flops: float  # per output element (pointwise) or per input element (reduction)
     reference: Callable  # eager torch semantics: (tensors, attrs) -> tensor
-    dtype: str = "promote"  # promote | bool | first | attr
+    dtype: str = "promote"  # promote | bool | first | attr | sum (integers widen to int64)
 
     def attr_names(self) -> tuple[str, ...]:
         return tuple(name for name, _ in self.attrs)
@@ -192,7 +192,7 @@ for _name, _fn in [("gt", torch.gt), ("ge", torch.ge), ("lt", torch.lt), ("le", 
     _op(_name, "pointwise", 2, [], same_shape, 1, lambda t, a, fn=_fn: fn(t[0], t[1]), "bool")
 _op("where", "pointwise", 3, [], same_shape, 1, lambda t, a: torch.where(t[0].bool(), t[1], t[2]))
 # reductions (dims are stored negative, so rules are rank-agnostic)
-_op("sum", "reduction", 1, _DIMS, reduce_shape, 1, lambda t, a: torch.sum(t[0], a["dims"], a["keepdim"]))
+_op("sum", "reduction", 1, _DIMS, reduce_shape, 1, lambda t, a: torch.sum(t[0], a["dims"], a["keepdim"]), "sum")
 _op("mean", "reduction", 1, _DIMS, reduce_shape, 1, lambda t, a: torch.mean(t[0], a["dims"], a["keepdim"]))
 _op("amax", "reduction", 1, _DIMS, reduce_shape, 1, lambda t, a: torch.amax(t[0], a["dims"], a["keepdim"]))
 # layout: views, lowered to index maps

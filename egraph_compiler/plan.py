@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from . import ops
 from .cost import DeviceProfile, itemsize, kernel_cost, op_flops
-from .graph import Graph, Node, topo_order, type_str
+from .errors import CodegenError
+from .graph import Graph, Node, topo_order, type_str, view_source
+from .lower import illegal_edges
 
 GENERATED_DTYPES = {"float32", "bool", "weak"}
 
@@ -74,8 +76,19 @@ class Plan:
 
 
 def make_plan(graph: Graph, profile: DeviceProfile, rules_fired=None) -> Plan:
-    """One kernel per materialised node, in dependency order."""
-    graph = legalize(graph)
+    """One kernel per materialised node, in dependency order.  Fusion rules
+    judge each edge alone, so a kernel can hold reductions that no single
+    loop nest computes (rows feeding a reduction over columns): the index-map
+    check of lowering names those inline edges, which become materialised."""
+    while True:
+        plan = _kernels(graph, profile, rules_fired)
+        cut = set().union(*(illegal_edges(k.output) for k in plan.kernels if k.kind == "generated"))
+        if not cut:
+            return plan
+        graph = _rebuild(graph, cut)
+
+
+def _kernels(graph: Graph, profile: DeviceProfile, rules_fired) -> Plan:
     outputs = {id(o) for o in graph.outputs}
     kernels: list[Kernel] = []
     fallbacks: list[str] = []
@@ -114,79 +127,6 @@ def _fallback_entry(node: Node, reason: str, graph: Graph) -> str:
     return f"{node.op} ({reason}; {graph.where.get(id(node), 'no source line')})"
 
 
-def legalize(graph: Graph) -> Graph:
-    """A loop nest reduces over one set of dims of one domain.  Fusion rules
-    check each edge on its own, so a kernel can end up holding reductions over
-    different dims (softmax over rows feeding a reduction over columns): the
-    inlined reductions that disagree with the kernel's first one are
-    materialised instead (their `inline` edge becomes a plain edge)."""
-    while True:
-        cut = _conflicting_inline(graph)
-        if not cut:
-            return graph
-        graph = _rebuild(graph, cut)
-
-
-def _conflicting_inline(graph: Graph) -> set[int]:
-    cut: set[int] = set()
-    for node in topo_order(graph.outputs):
-        if node.group in ("source", "boundary", "library", "extern"):
-            continue
-        domain = node.args[0].shape if node.group == "reduction" else node.shape
-        first = _reduction_key(node, domain) if node.group in ("reduction", "row") else None
-        for edge, target in _inline_edges(node):
-            for n in _reductions_in(target):
-                key = _reduction_key(n, domain)
-                if first is None and key is not None:
-                    first = key
-                if key is None or key != first:
-                    cut.add(id(edge))
-                    break
-    return cut
-
-
-def _reduction_key(n: Node, domain):
-    if n.group == "row":
-        return (tuple(n.shape), tuple(sorted(d % len(n.shape) for d in _row_dims(n)))) \
-            if tuple(n.shape) == tuple(domain) else None
-    if tuple(n.args[0].shape) != tuple(domain):
-        return None
-    return (tuple(domain), tuple(sorted(d % len(domain) for d in n.attr("dims"))))
-
-
-def _row_dims(n: Node):
-    if n.op in ("softmax", "log_softmax"):
-        return (n.attr("dim"),)
-    return tuple(range(-n.attr("ndim"), 0))
-
-
-def _inline_edges(node: Node):
-    """(inline node, its target) for each operand computed inside this kernel."""
-    for a in node.args:
-        while a.group == "layout":
-            a = a.args[0]
-        if a.op == "inline":
-            yield a, a.args[0]
-
-
-def computed_nodes(root: Node):
-    """`root` and every node below it reached through inline edges (and views):
-    what one kernel computes."""
-    seen, stack = set(), [root]
-    while stack:
-        n = stack.pop()
-        if id(n) in seen:
-            continue
-        seen.add(id(n))
-        yield n
-        stack.extend(t for _, t in _inline_edges(n))
-
-
-def _reductions_in(target: Node):
-    """Reductions (and row composites) computed at this inline target or below it in the kernel."""
-    return (n for n in computed_nodes(target) if n.group in ("reduction", "row"))
-
-
 def _rebuild(graph: Graph, cut: set[int]) -> Graph:
     """The graph with the `inline` nodes in `cut` replaced by their targets."""
     memo: dict[int, Node] = {}
@@ -203,7 +143,7 @@ def _rebuild(graph: Graph, cut: set[int]) -> Graph:
             memo[id(node)] = Node.make(node.op, args, node.a)
     outputs = tuple(memo[id(o)] for o in graph.outputs)
     where = {**graph.where, **{id(memo[k]): v for k, v in graph.where.items() if k in memo}}
-    return Graph(graph.inputs, outputs, graph.bound, where, graph.mutations)
+    return replace(graph, outputs=outputs, where=where)
 
 
 def kernel_body(root: Node) -> tuple[list[Node], list[Node]]:
@@ -238,13 +178,6 @@ def kernel_body(root: Node) -> tuple[list[Node], list[Node]]:
     return body, inputs
 
 
-def view_source(node: Node) -> Node:
-    """The tensor a chain of views reads from."""
-    while node.group == "layout":
-        node = node.args[0]
-    return node
-
-
 def _kind(node: Node, body, inputs) -> tuple[str, str]:
     if node.op == "extern":
         return "aten", "op outside the vocabulary"
@@ -265,16 +198,49 @@ def _estimate(kernel: Kernel, profile: DeviceProfile) -> None:
     kernel.seconds = kernel_cost(kernel.flops, kernel.bytes, profile, library=kernel.kind == "library")
 
 
-def check_plan(plan: Plan) -> None:
-    """Invariants (a verifier pass, run in tests): every kernel input is
-    materialised by an earlier kernel or is a program input, and is a real
-    buffer (not a view or a boundary marker)."""
-    ready = {id(n) for n in plan.graph.inputs}
-    for k in plan.kernels:
+class PlanError(CodegenError):
+    """A plan that breaks an invariant: a bug in the compiler, caught before it runs."""
+
+
+def release_schedule(plan: Plan) -> list[list[Node]]:
+    """Per kernel, the intermediate buffers that no later kernel (nor a program
+    output) reads, so the runtime can drop them.  A kernel reads its `inputs`:
+    every materialised tensor below it, including those its fused producers read."""
+    keep = {id(view_source(o)) for o in plan.graph.outputs} | {id(n) for n in plan.graph.inputs}
+    last: dict[int, tuple[int, Node]] = {}
+    for step, kernel in enumerate(plan.kernels):
+        for node in kernel.inputs:
+            last[id(node)] = (step, node)
+    produced = {id(k.output) for k in plan.kernels}
+    release: list[list[Node]] = [[] for _ in plan.kernels]
+    for node_id, (step, node) in last.items():
+        if node_id in produced and node_id not in keep:
+            release[step].append(node)
+    return release
+
+
+def verify_plan(plan: Plan, release: list[list[Node]] | None = None) -> None:
+    """The plan is valid by construction, checked on every compile: each value
+    a kernel reads (its fused producers' reads included) is stored before and
+    not yet released, each buffer is computed once, each output exists."""
+    release = release_schedule(plan) if release is None else release
+    live = {id(n) for n in plan.graph.inputs}
+    released: set[int] = set()
+    for step, k in enumerate(plan.kernels):
         for i in k.inputs:
-            assert id(i) in ready, f"{k.name} reads {i} before it is computed"
-            assert i.group not in ("layout", "boundary"), f"{k.name} reads a view or a boundary as a buffer"
-        ready.add(id(k.output))
+            if i.group in ("layout", "boundary"):
+                raise PlanError(f"{k.name} reads a view or a boundary ({i.op}) as a buffer")
+            if id(i) not in live:
+                when = "after it is released" if id(i) in released else "before it is computed"
+                raise PlanError(f"{k.name} ({k.output.op}) reads {i.op}{list(i.shape)} {when}")
+        if id(k.output) in live:
+            raise PlanError(f"{k.name} computes {k.output.op} a second time")
+        live.add(id(k.output))
+        for dead in release[step]:
+            live.discard(id(dead))
+            released.add(id(dead))
     for o in plan.graph.outputs:
-        assert id(o) in ready or o.op in ("input", "const"), f"output {o} is never computed"
-    assert all(op in ops.OPS for op in plan.ops()), "plan holds an op outside the table"
+        if not {id(o), id(view_source(o))} & live and view_source(o).op not in ("input", "const"):
+            raise PlanError(f"output {o.op}{list(o.shape)} is never computed")
+    if not all(op in ops.OPS for op in plan.ops()):
+        raise PlanError("plan holds an op outside the table")

@@ -9,51 +9,15 @@ fallbacks get torch views built from the same buffers.
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
+from torch.utils import _pytree as pytree
 
 from . import ops
+from .cache import build_shared_object
 from .errors import CodegenError, InputError
-from .graph import WEAK, Graph, Node
-from .plan import Plan, view_source
-
-CXX = os.environ.get("CXX", "g++")
-CXXFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=c++17"]
-VECTOR_MATH = (["-DEGC_VECTOR_MATH"], ["-lmvec"])  # glibc's SIMD exp/log/tanh/erf; dropped where absent
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("EGC_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "egraph_compiler")
-    path = Path(root)
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
-def build_shared_object(source: str) -> tuple[Path, bool]:
-    """Returns the library path and whether it was compiled now (False: from the cache)."""
-    key = hashlib.sha256((source + "\0" + " ".join([CXX] + CXXFLAGS)).encode()).hexdigest()[:24]
-    lib = cache_dir() / f"egc_{key}.so"
-    if lib.exists():
-        return lib, False
-    with tempfile.TemporaryDirectory() as tmp:
-        src = Path(tmp) / "kernels.cpp"
-        src.write_text(source)
-        out = Path(tmp) / "kernels.so"
-        defines, libs = VECTOR_MATH
-        proc = subprocess.run([CXX, *CXXFLAGS, *defines, str(src), "-o", str(out), *libs],
-                              capture_output=True, text=True)
-        if proc.returncode != 0:  # no vector math library here: plain scalar calls
-            proc = subprocess.run([CXX, *CXXFLAGS, str(src), "-o", str(out)], capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise CodegenError(f"C++ compile failed (a compiler bug):\n{proc.stderr[-3000:]}")
-        os.replace(out, lib)  # atomic: a concurrent reader sees all or nothing
-    return lib, True
-
+from .graph import WEAK, Graph, Literal, Node, view_source
+from .plan import Plan, release_schedule, verify_plan
 
 def torch_dtype(dtype: str) -> torch.dtype:
     return torch.float32 if dtype == WEAK else getattr(torch, dtype)
@@ -73,7 +37,9 @@ class Executable:
         nodes = {name: node for node in _all_nodes(plan) for name in [buffer_names.get(id(node))] if name}
         loops_by_name = {lk.name: lk for lk in loops}
         self._steps = [self._step(k, loops_by_name, nodes) for k in plan.kernels]
-        self._release = _last_uses(plan)
+        release = release_schedule(plan)
+        verify_plan(plan, release)
+        self._release = [[id(n) for n in dead] for dead in release]
 
     def _step(self, kernel, loops_by_name, nodes):
         if kernel.kind != "generated":
@@ -102,8 +68,15 @@ class Executable:
                 del env[dead]
         results = tuple(self._result(o, env) for o in self.graph.outputs)
         self._write_back(args, results)
-        results = results[:self.graph.user_outputs]
-        return results[0] if len(results) == 1 else results
+        return self._structure(results[:self.graph.user_outputs])
+
+    def _structure(self, results):
+        """The user's result structure: dicts, lists, nested tuples, non-tensors passed through."""
+        if self.graph.results is None:
+            return results[0] if len(results) == 1 else results
+        spec, leaves = self.graph.results
+        return pytree.tree_unflatten([leaf.value if isinstance(leaf, Literal) else results[leaf]
+                                      for leaf in leaves], spec)
 
     def _write_back(self, args, results) -> None:
         """In-place updates the program made to its inputs or buffers."""
@@ -111,7 +84,7 @@ class Executable:
             return
         user = [n.attr("name") for n in self.graph.inputs if n.attr("name") not in self.graph.bound]
         for name, index in self.graph.mutations:
-            target = self.graph.bound[name] if name in self.graph.bound else args[user.index(name)]
+            target = self.graph.bound[name].get() if name in self.graph.bound else args[user.index(name)]
             target.copy_(results[index])
 
     def _bind(self, args) -> dict[int, torch.Tensor]:
@@ -124,7 +97,7 @@ class Executable:
             env[id(node)] = self._check(node, value)
         for node in self.graph.inputs:
             if node.attr("name") in self.graph.bound:
-                env[id(node)] = self._check(node, self.graph.bound[node.attr("name")])
+                env[id(node)] = self._check(node, self.graph.bound[node.attr("name")].get())
         return env
 
     @staticmethod
@@ -152,7 +125,7 @@ class Executable:
         raise CodegenError(f"{node.op} is read before it is computed")
 
     def _run_torch(self, node: Node, env) -> torch.Tensor:
-        args = [self._tensor(a, env) for a in node.args]
+        args = [_scalar(a, node) if a.op == "const" else self._tensor(a, env) for a in node.args]
         if node.op == "extern":
             return node.attr("target").run(args)
         out = ops.get(node.op).reference(args, node.a)
@@ -174,17 +147,15 @@ def _all_nodes(plan: Plan):
         yield kernel.output
 
 
-def _last_uses(plan: Plan) -> list[list[int]]:
-    """Per kernel, the intermediate buffers no later kernel (nor the output) reads."""
-    keep = {id(view_source(o)) for o in plan.graph.outputs} | {id(n) for n in plan.graph.inputs}
-    last: dict[int, int] = {}
-    for step, kernel in enumerate(plan.kernels):
-        reads = kernel.inputs if kernel.kind == "generated" else [view_source(a) for a in kernel.output.args]
-        for node in reads:
-            last[id(node)] = step
-    produced = {id(k.output) for k in plan.kernels}
-    release: list[list[int]] = [[] for _ in plan.kernels]
-    for node_id, step in last.items():
-        if node_id in produced and node_id not in keep:
-            release[step].append(node_id)
-    return release
+def _scalar(const: Node, consumer: Node) -> torch.Tensor:
+    """A scalar operand as torch would type the Python number: in the dtype of
+    an arithmetic result (capture gives arithmetic operands that dtype), and
+    promoted with the other operand for a comparison."""
+    value = const.attr("value")
+    number = int(value) if value.is_integer() else value
+    strong = [a.dtype for a in consumer.args if a.op != "const" and a.dtype != WEAK]
+    if consumer.dtype == "bool" and strong:  # a comparison
+        dtype = torch.result_type(torch.empty((), dtype=torch_dtype(strong[-1])), number)
+    else:
+        dtype = torch_dtype(consumer.dtype if consumer.dtype != "bool" else "float32")
+    return torch.tensor(number, dtype=dtype)

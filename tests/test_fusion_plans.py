@@ -6,13 +6,13 @@ from torch._inductor.utils import run_and_get_code
 
 import egraph_compiler as egc
 from egraph_compiler import workloads
-from egraph_compiler.plan import check_plan
+from egraph_compiler.plan import verify_plan
 
 
 def compiled_workload(name):
     fn, inputs = workloads.make(name, "test")
     compiled = egc.compile(fn, inputs)
-    check_plan(compiled.plan)
+    verify_plan(compiled.plan)
     torch.testing.assert_close(compiled(*inputs), fn(*inputs), atol=1e-4, rtol=1e-4)
     return compiled
 

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 import egraph_compiler
 from egraph_compiler import UnsupportedOpError, ops, pipeline
-from egraph_compiler.plan import check_plan
+from egraph_compiler.plan import verify_plan
 
 ATOL = RTOL = 1e-5
 # the op-table groups a user program can reach; the rest (`input`, `const`, `extern`, and
@@ -203,7 +203,7 @@ def test_op(case: OpCase):
         for t, t0 in zip(inputs, before):  # the caller's tensors are left untouched
             torch.testing.assert_close(t, t0, atol=0, rtol=0, equal_nan=True)
     plan = compiled.plan
-    check_plan(plan)
+    verify_plan(plan)
     assert case.op in captured_ops(compiled), \
         f"capture did not map onto {case.op!r}:\n{compiled.levels.graph}\n{plan}"
     if case.fallback is None:

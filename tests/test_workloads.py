@@ -4,14 +4,14 @@ import torch
 
 import egraph_compiler as egc
 from egraph_compiler import workloads
-from egraph_compiler.plan import check_plan
+from egraph_compiler.plan import verify_plan
 
 
 @pytest.mark.parametrize("name", workloads.NAMES)
 def test_workload_matches_eager(name):
     fn, inputs = workloads.make(name, "test")
     compiled = egc.compile(fn, inputs, unsafe=(name == "algebra"))
-    check_plan(compiled.plan)
+    verify_plan(compiled.plan)
     torch.testing.assert_close(compiled(*inputs), fn(*inputs), atol=1e-4, rtol=1e-4)
     assert compiled.report.stop_reason == "saturated"
     assert not compiled.plan.fallbacks

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .. import ops
 from ..cost import VIEW_COST, DeviceProfile, itemsize, kernel_cost, op_flops
@@ -174,4 +174,4 @@ def build(eg: EClassGraph, extractor: KernelExtractor, graph: Graph) -> Graph:
 
     sys.setrecursionlimit(max(sys.getrecursionlimit(), 20000))  # deep programs recurse deeply
     outputs = tuple(make(r, "mat") for r in eg.roots)
-    return Graph(graph.inputs, outputs, graph.bound, where, graph.mutations)
+    return replace(graph, outputs=outputs, where=where)

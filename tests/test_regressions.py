@@ -1,0 +1,211 @@
+"""Regression tests: each defect a new user found, as the smallest program that
+showed it.  Every case is compared with eager torch, dtype included."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import egraph_compiler as egc
+from egraph_compiler.errors import EagerFallbackWarning, InputError
+
+
+def same(compiled, fn, *inputs, atol=1e-5, rtol=1e-5):
+    expected = fn(*inputs)
+    got = compiled(*inputs)
+    assert got.dtype == expected.dtype, (got.dtype, expected.dtype)
+    torch.testing.assert_close(got, expected, atol=atol, rtol=rtol, equal_nan=True,
+                               msg=lambda m: f"{m}\n{compiled.plan}")
+
+
+# ---- fusion legality is a matter of index maps, not of equal shapes ----
+
+SQUARE_VIEWS = {
+    "softmax_t": lambda x: torch.softmax(x, -1).t(),
+    "row_sum_t": lambda x: (x + x.sum(-1, keepdim=True)).t(),
+    "layer_norm_t": lambda x: F.layer_norm(x, x.shape[-1:]).t(),
+    "col_softmax_t": lambda x: torch.softmax(x, 0).t() * 2,
+    "t_then_row_sum": lambda x: x.t() + x.t().sum(-1, keepdim=True),
+    "rows_and_cols": lambda x: x.sum(-1, keepdim=True) + x.sum(0, keepdim=True),
+    "softmax_of_t": lambda x: torch.softmax(x.t() * 3, -1).t() + x,
+}
+
+
+@pytest.mark.parametrize("shape", [(8, 8), (4, 6), (1, 5), (5, 1)])
+@pytest.mark.parametrize("name", sorted(SQUARE_VIEWS))
+def test_reductions_fused_through_views(name, shape):
+    fn = SQUARE_VIEWS[name]
+    x = torch.randn(*shape)
+    same(egc.compile(fn, [x]), fn, x)
+
+
+def test_transposed_softmax_stays_one_kernel():
+    """Legal because the index maps agree (the inner loop runs down columns)."""
+    fn = SQUARE_VIEWS["softmax_t"]
+    x = torch.randn(8, 8)
+    compiled = egc.compile(fn, [x])
+    assert len(compiled.plan.kernels) == 1, str(compiled.plan)
+
+
+def test_batched_square_transpose_of_a_reduction():
+    fn = lambda x: (x - x.amax(-1, keepdim=True)).transpose(-1, -2).exp()  # noqa: E731
+    x = torch.randn(3, 8, 8)
+    same(egc.compile(fn, [x]), fn, x)
+
+
+# ---- a value fused into one kernel and read by another ----
+
+def test_reduction_fused_away_but_read_elsewhere():
+    def fn(x):
+        s = x.sum(-1, keepdim=True) * 2
+        return s @ s.transpose(-1, -2)
+    x = torch.randn(2, 3, 7)
+    same(egc.compile(fn, [x]), fn, x)
+
+
+def test_library_call_with_fused_producers_keeps_their_inputs_alive():
+    def fn(x, w):
+        h = 0.5 * x * (1 + torch.tanh(0.79788456 * (x + 0.044715 * x.pow(3))))
+        return F.linear(h, w) + x.sum(-1, keepdim=True)
+    x, w = torch.randn(4, 16), torch.randn(16, 16)
+    same(egc.compile(fn, [x, w]), fn, x, w, atol=1e-4)
+
+
+# ---- ATen fallbacks whose arguments include None ----
+
+def test_extern_with_none_arguments():
+    fn = lambda x, w: F.conv2d(x, w, None, padding=1).relu()  # noqa: E731
+    x, w = torch.randn(1, 2, 5, 5), torch.randn(3, 2, 3, 3)
+    with pytest.warns(UserWarning, match="conv"):
+        compiled = egc.compile(fn, [x, w])
+    same(compiled, fn, x, w)
+
+
+def test_grouped_query_attention_without_mask():
+    fn = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=True,  # noqa: E731
+                                                         enable_gqa=True)
+    q, k, v = torch.randn(1, 4, 6, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
+    same(egc.compile(fn, [q, k, v]), fn, q, k, v)
+
+
+# ---- integer and bool dtypes follow torch's promotion ----
+
+INT_PROGRAMS = {
+    "mul_half": lambda x: x * 0.5,
+    "add_half": lambda x: x + 0.5,
+    "div_two": lambda x: x / 2,
+    "mul_two": lambda x: x * 2,
+    "compare_sum": lambda x: (x > 2).sum(-1),
+    "sum": lambda x: x.sum(-1),
+    "sqrt": lambda x: torch.sqrt(x.abs()),
+    "where_half": lambda x: torch.where(x > 0, x, 0.5),
+    "ge_fraction": lambda x: x >= 2.5,
+    "amax": lambda x: x.amax(-1),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool])
+@pytest.mark.parametrize("name", sorted(INT_PROGRAMS))
+def test_integer_and_bool_dtypes(name, dtype):
+    fn = INT_PROGRAMS[name]
+    x = torch.randint(-5, 6, (4, 6)).to(dtype)
+    try:
+        fn(x)
+    except RuntimeError:
+        pytest.skip(f"torch itself rejects {name} on {dtype}")
+    same(egc.compile(fn, [x]), fn, x)
+
+
+def test_int32_sum_does_not_overflow():
+    fn = lambda x: x.sum(-1)  # noqa: E731
+    x = torch.full((4, 100), 2 ** 30, dtype=torch.int32)
+    same(egc.compile(fn, [x]), fn, x)
+
+
+def test_large_int64_times_integer_scalar_is_exact():
+    fn = lambda x: x * 3 + 1  # noqa: E731
+    x = torch.tensor([2 ** 40 + 1, -(2 ** 33) - 7])
+    same(egc.compile(fn, [x]), fn, x, atol=0, rtol=0)
+
+
+# ---- edge shapes and result structures ----
+
+@pytest.mark.parametrize("fn", [lambda x: x.exp() + 1, lambda x: x.sum(-1), lambda x: x.sum(0),
+                                lambda x: torch.softmax(x, -1), lambda x: x.t() * 2],
+                         ids=["pointwise", "sum_last", "sum_first", "softmax", "transpose"])
+@pytest.mark.parametrize("shape", [(0, 4), (3, 0), (1, 1), (1,), ()])
+def test_size_zero_and_one(fn, shape):
+    x = torch.randn(shape)
+    try:
+        fn(x)
+    except (RuntimeError, IndexError):
+        pytest.skip("torch itself rejects it")
+    same(egc.compile(fn, [x]), fn, x)
+
+
+def test_non_tensor_outputs_pass_through():
+    x = torch.randn(3, 3)
+    out = egc.compile(lambda x: (x.exp(), 3), [x])(x)
+    assert isinstance(out, tuple) and out[1] == 3
+    torch.testing.assert_close(out[0], x.exp())
+
+
+def test_outputs_keep_their_structure():
+    def fn(x):
+        return {"a": x.exp(), "b": [x + 1, (x * 2, None)]}
+    x = torch.randn(3, 3)
+    out = egc.compile(fn, [x])(x)
+    expected = fn(x)
+    assert isinstance(out, dict) and isinstance(out["b"], list) and isinstance(out["b"][1], tuple)
+    assert out["b"][1][1] is None
+    torch.testing.assert_close(out, expected)
+
+
+def test_single_tensor_and_one_tuple():
+    x = torch.randn(3)
+    assert isinstance(egc.compile(lambda x: x.exp(), [x])(x), torch.Tensor)
+    out = egc.compile(lambda x: (x.exp(),), [x])(x)
+    assert isinstance(out, tuple) and len(out) == 1
+
+
+# ---- parameters are read at call time ----
+
+def test_reassigned_parameter_is_used():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    x = torch.randn(4, 3)
+    with torch.no_grad():
+        compiled = egc.compile(model, [x])
+        model.weight = torch.nn.Parameter(torch.randn(2, 3))
+        model.bias.mul_(3)
+        torch.testing.assert_close(compiled(x), model(x))
+
+
+def test_parameter_of_another_shape_is_a_clear_error():
+    model = torch.nn.Linear(3, 2)
+    x = torch.randn(4, 3)
+    with torch.no_grad():
+        compiled = egc.compile(model, [x])
+        model.weight = torch.nn.Parameter(torch.randn(5, 3))
+        with pytest.raises(InputError, match="weight"):
+            compiled(x)
+
+
+# ---- gradients are never dropped silently ----
+
+def test_grad_requiring_input_runs_eagerly_with_a_warning():
+    fn = lambda x: (x.exp() * 2).sum()  # noqa: E731
+    x = torch.randn(4, requires_grad=True)
+    compiled = egc.compile(fn, [x.detach()])
+    with pytest.warns(EagerFallbackWarning, match="require grad"):
+        out = compiled(x)
+    out.backward()
+    torch.testing.assert_close(x.grad, 2 * x.detach().exp())
+
+
+def test_module_with_parameters_under_no_grad_runs_compiled():
+    model = torch.nn.Linear(3, 2)
+    x = torch.randn(4, 3)
+    compiled = egc.compile(model, [x])
+    with torch.no_grad():
+        out = compiled(x)
+    assert out.grad_fn is None
+    torch.testing.assert_close(out, model(x).detach())
