@@ -142,10 +142,10 @@ def _layout(root: Node):
     depth = _inline_depth(root)
     found = sorted(probe.found, key=lambda f: depth.get(id(origin.get(id(f[0]), f[0])), 1 << 30))
     # a reduction at the root reduces over the inner loop by definition
-    inner = {tuple(d for d in _dims(tree) if domain[d] > 1)} if tree.group == "reduction" else None
+    inner = {tuple(d for d in _dims(tree) if domain[d] != 1)} if tree.group == "reduction" else None
     blamed = []
     for node, used, count in found:
-        free = [d for d in range(len(domain)) if domain[d] > 1 and f"d{d}" not in used]
+        free = [d for d in range(len(domain)) if domain[d] != 1 and f"d{d}" not in used]
         options = {s for s in _subsets(free) if math.prod(domain[d] for d in s) == count}
         if any(not v.startswith("d") for v in used) or not (options if inner is None else inner & options):
             blamed.append(origin.get(id(node), node))

@@ -37,8 +37,9 @@ def main() -> int:
     inputs = example_inputs()
     compiled = egc.compile(program, inputs)
     print(compiled.plan)
-    expected = program(*inputs)
-    got = compiled(*inputs)
+    with torch.no_grad():  # compiled programs are inference-only (grad-requiring calls run eagerly)
+        expected = program(*inputs)
+        got = compiled(*inputs)
     error = (got - expected).abs().max().item()
     print(f"max |compiled - eager| = {error:.3g}")
     if not torch.allclose(got, expected, atol=1e-4, rtol=1e-4):
