@@ -1,35 +1,138 @@
 """`egc`: the command line (typer).  Explain a program level by level, and
-check or list rules."""
+check, list or verify rules.
+
+A user's mistake (a missing path, a rule that does not parse, a program file
+that fails to import) ends in one `error: ...` line on stderr, or a RuleError's
+caret block, and exit code 2 (the command line itself is wrong) or 1 (what it
+names is); `egc --debug ...` shows the traceback instead.  Anything else is a
+bug in the compiler and keeps its traceback."""
 from __future__ import annotations
 
+import functools
 import importlib.util
+import traceback
 from pathlib import Path
 
 import typer
 
 from . import workloads
-from .dsl.library import check_unique, library_rules, load_user_rules
+from .dsl.library import check_unique, library_rules
+from .dsl.parser import Phase, parse_rules
 from .errors import EgraphCompilerError
 
 app = typer.Typer(help="egraph-compiler: a rule-driven optimising compiler for PyTorch.", no_args_is_help=True)
-rules_app = typer.Typer(help="Check and list rules.", no_args_is_help=True)
+rules_app = typer.Typer(help="Check, list and verify rules.", no_args_is_help=True)
 app.add_typer(rules_app, name="rules")
+
+LEVELS = ("aten", "graph", "egraph", "plan", "loops", "source", "all")
+SIZES = ("test", "cpu", "gpu")
+_debug = False  # set by the --debug option of the app's callback
+
+
+class UsageError(Exception):
+    """The command line is wrong (a path or name that does not exist): exit code 2."""
+
+
+class InputFailure(Exception):
+    """What the command line names is wrong (unreadable, or a program that cannot be loaded): exit code 1."""
+
+
+@app.callback()
+def main(debug: bool = typer.Option(False, "--debug", help="show the traceback of an error")):
+    global _debug
+    _debug = debug
+
+
+def reports_errors(command):
+    """Turn a user's mistake into one `error:` line and an exit code, unless --debug."""
+    @functools.wraps(command)
+    def run(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except (UsageError, InputFailure, EgraphCompilerError) as exc:
+            if _debug:
+                raise
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(2 if isinstance(exc, UsageError) else 1) from None
+    return run
+
+
+# ---- loading what the command line names ----
+
+def rule_files(paths: list[Path]) -> list[Path]:
+    """Each path as given, a directory as its `*.rules` files (sorted)."""
+    files: list[Path] = []
+    for path in paths:
+        if path.is_dir():
+            found = sorted(path.glob("*.rules"))
+            if not found:
+                raise UsageError(f"{path}: a directory without *.rules files")
+            files += found
+        elif path.exists():
+            files.append(path)
+        else:
+            raise UsageError(f"{path}: no such file or directory")
+    return files
+
+
+def load_rules(paths: list[Path]) -> list:
+    """The rules (and fuse statements, not phases) of these paths, or of the library when none."""
+    rules = library_rules() if not paths else [r for f in rule_files(paths) for r in parse_rules(_read(f), str(f))
+                                               if not isinstance(r, Phase)]
+    check_unique(rules)
+    return rules
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputFailure(f"{path}: cannot read it: {getattr(exc, 'strerror', None) or exc}") from exc
 
 
 def load_program(target: str, size: str):
     """A workload name, or PATH.py exposing `program` and `example_inputs()`."""
+    if size not in SIZES:
+        raise UsageError(f"unknown size {size!r}; one of {', '.join(SIZES)}")
     if target in workloads.NAMES:
         return workloads.make(target, size)
     path = Path(target)
-    if not path.exists():
-        raise typer.BadParameter(f"{target!r} is neither a workload ({', '.join(workloads.NAMES)}) nor a file")
+    if not path.is_file():
+        raise UsageError(f"{target}: neither a workload ({', '.join(workloads.NAMES)}) nor a file")
+    module = _guarded(path, "importing it", lambda: _import(path))
+    missing = [name for name in ("program", "example_inputs") if not hasattr(module, name)]
+    if missing:
+        raise InputFailure(f"{path}: defines no {' and no '.join(missing)} "
+                           "(a program file exposes `program` and `example_inputs()`)")
+    return module.program, _guarded(path, "example_inputs()", module.example_inputs)
+
+
+def _import(path: Path):
     spec = importlib.util.spec_from_file_location(path.stem, path)
+    if spec is None or spec.loader is None:
+        raise ImportError("not a Python source file")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.program, module.example_inputs()
+    return module
 
+
+def _guarded(path: Path, what: str, action):
+    """Run the user's code; an exception it raises is their mistake, named with its line in their file."""
+    try:
+        return action()
+    except Exception as exc:
+        frames = [f for f in traceback.extract_tb(exc.__traceback__) if Path(f.filename).resolve() == path.resolve()]
+        where = f"{path}:{frames[-1].lineno}" if frames else str(path)
+        if isinstance(exc, SyntaxError) and exc.lineno:
+            where = f"{path}:{exc.lineno}"
+        text = str(exc).strip().splitlines()
+        raise InputFailure(f"{where}: {what} failed: {type(exc).__name__}: {text[0] if text else ''}") from exc
+
+
+# ---- commands ----
 
 @app.command()
+@reports_errors
 def explain(target: str = typer.Argument(..., help="workload name or PATH.py with program/example_inputs()"),
             size: str = typer.Option("test", help="workload size: test, cpu or gpu"),
             unsafe: bool = typer.Option(False, help="enable unsafe rules"),
@@ -37,38 +140,34 @@ def explain(target: str = typer.Argument(..., help="workload name or PATH.py wit
             dot: Path = typer.Option(None, help="also write the saturated e-graph here (Graphviz DOT)")):
     """Print each IR level of a compiled program."""
     from .api import explain as explain_program
+    if level not in LEVELS:
+        raise UsageError(f"unknown level {level!r}; one of {', '.join(LEVELS)}")
     fn, inputs = load_program(target, size)
-    try:
-        levels = explain_program(fn, inputs, unsafe=unsafe, dot=dot is not None)
-    except EgraphCompilerError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(1)
+    levels = explain_program(fn, inputs, unsafe=unsafe, dot=dot is not None)
     if dot is not None:
-        dot.write_text(levels.dot)
+        try:
+            dot.write_text(levels.dot)
+        except OSError as exc:
+            raise InputFailure(f"{dot}: cannot write it: {exc.strerror or exc}") from exc
     typer.echo(str(levels) if level == "all" else getattr(levels, level))
 
 
-def _load(paths: list[Path]):
-    try:
-        rules = library_rules() if not paths else load_user_rules(paths)
-        check_unique(rules)
-        return rules
-    except EgraphCompilerError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(1)
+PATHS = typer.Argument(None, help="rules files or directories of them (default: the library)")
 
 
 @rules_app.command("check")
-def rules_check(paths: list[Path] = typer.Argument(None, help="rules files (default: the library)")):
+@reports_errors
+def rules_check(paths: list[Path] = PATHS):
     """Parse and type-check rules files."""
-    rules = _load(paths or [])
+    rules = load_rules(paths or [])
     typer.echo(f"ok: {len(rules)} rule(s) in {len({r.path for r in rules})} file(s)")
 
 
 @rules_app.command("list")
-def rules_list(paths: list[Path] = typer.Argument(None, help="rules files (default: the library)")):
+@reports_errors
+def rules_list(paths: list[Path] = PATHS):
     """Print rules by group."""
-    rules = _load(paths or [])
+    rules = load_rules(paths or [])
     for group in dict.fromkeys(r.group for r in rules):
         typer.echo(f"{group}:")
         for r in rules:
@@ -78,12 +177,13 @@ def rules_list(paths: list[Path] = typer.Argument(None, help="rules files (defau
 
 
 @rules_app.command("verify")
-def rules_verify(paths: list[Path] = typer.Argument(None, help="rules files (default: the library)"),
+@reports_errors
+def rules_verify(paths: list[Path] = PATHS,
                  trials: int = typer.Option(24, help="random instances per rule"),
                  seed: int = typer.Option(0, help="random seed")):
     """Check rules numerically: both sides on random inputs that meet the rule's conditions."""
     from .dsl.verify import verify_rules
-    rules = _load(paths or [])
+    rules = load_rules(paths or [])
     results = verify_rules(rules, trials=trials, seed=seed)
     for result in results:
         typer.echo(result.line())

@@ -27,6 +27,20 @@ def test_wrong_rule_is_caught():
     assert "x=[" in result.message and "y=[" in result.message  # the worst inputs' shapes
 
 
+@pytest.mark.parametrize("text, fragments", [
+    ("rule bad: add(x, y) => mul(x, y)", ["lhs ", " vs rhs ", " where x=", ", y=", "max |lhs - rhs| ", "x: shape ["]),
+    ("rule bad_dims: sum(x, [-1], true) => sum(x, [-2], true)", ["lhs and rhs shapes differ", "x: shape ["]),
+    ("rule bad_attr: transpose(x, a, b) => x", ["shapes differ", ", a=", ", b="]),
+    ("rule bad_nan: exp(log(x)) => x", ["lhs nan vs rhs ", "max |lhs - rhs| inf"]),
+])
+def test_failure_carries_a_counterexample(text, fragments):
+    result = verify_rule(rule(text), trials=8)
+    assert not result.passed
+    for fragment in fragments:
+        assert fragment in result.counterexample
+    assert verify_rule(rule("rule fine: neg(neg(x)) => x"), trials=8).counterexample == ""
+
+
 def test_unsafe_rule_passes_inside_its_domain_and_fails_outside():
     r = rule("unsafe rule exp_log: exp(log(x)) => x if x > 0")
     inside = verify_rule(r)

@@ -107,7 +107,8 @@ _TOKEN_NAMES = {"_NL": "end of line", "NAME": "a name", "NUMBER": "a number", "L
 def parse_rules(text: str, path: str = "<rules>", group: str | None = None) -> list[Rule]:
     """Parse and check one rules file; its default group is the file's stem."""
     group = group or (Path(path).stem if path != "<rules>" else "user")
-    lines = text.splitlines()
+    # lark counts lines by "\n" only; splitlines() would also break at \f, \v, \u2028, ... and show the wrong line
+    lines = [line.removesuffix("\r") for line in text.split("\n")]
     try:
         tree = _parser().parse(text if text.endswith("\n") else text + "\n")
     except lark.exceptions.UnexpectedInput as exc:
@@ -127,10 +128,14 @@ def parse_file(path) -> list[Rule]:
     return parse_rules(path.read_text(), str(path))
 
 
+MAX_DEPTH = 100  # nesting of one statement's terms; the checker, typecheck and verifier recurse over them
+
+
 class _Checker:
     def __init__(self, path, group, lines):
         self.path, self.group, self.lines = path, group, lines
         self.group_unsafe = False
+        self.expanding: list[str] = []  # `where` bindings being substituted, innermost last
 
     def error(self, message, meta):
         line, column = getattr(meta, "line", 0), getattr(meta, "column", 0)
@@ -139,6 +144,8 @@ class _Checker:
     def statements(self, tree) -> list[Rule]:
         rules: list[Rule] = []
         for stmt in tree.children:
+            if _depth(stmt) > MAX_DEPTH:
+                self.error(f"this statement nests more than {MAX_DEPTH} terms deep", stmt.meta)
             if stmt.data == "group_decl":
                 name, *flags = stmt.children
                 self.group, self.group_unsafe = str(name), any(str(f.children[0]) == "unsafe" for f in flags)
@@ -217,7 +224,13 @@ class _Checker:
         if kind == "var":
             name = str(tree.children[0])
             if name in bindings:
-                return self.term(bindings[name], sort, sorts, bindings, bind)
+                if name in self.expanding:
+                    cycle = " -> ".join(self.expanding[self.expanding.index(name):] + [name])
+                    self.error(f"binding {name!r} refers to itself ({cycle})", tree.meta)
+                self.expanding.append(name)
+                value = self.term(bindings[name], sort, sorts, bindings, bind)
+                self.expanding.pop()
+                return value
             if name not in sorts:
                 if not bind:
                     self.error(f"variable {name!r} is used on the right but not bound on the left-hand side",
@@ -279,7 +292,11 @@ class _Checker:
             self.error(f"expected {sort}, got a call of {op}", tree.meta)
         opdef = ops.OPS[op]
         positional = [a for a in args if a.data != "keyword"]
-        keywords = {str(a.children[0]): a for a in args if a.data == "keyword"}
+        keywords = {}
+        for a in (a for a in args if a.data == "keyword"):
+            if str(a.children[0]) in keywords:
+                self.error(f"attribute {str(a.children[0])!r} is given twice", a.meta)
+            keywords[str(a.children[0])] = a
         slots = ["tensor"] * opdef.arity + [kind for _, kind in opdef.attrs]
         names = [f"operand {i + 1}" for i in range(opdef.arity)] + list(opdef.attr_names())
         if len(positional) > len(slots) or len(positional) < opdef.arity:
@@ -293,6 +310,8 @@ class _Checker:
             if key not in names[opdef.arity:]:
                 self.error(f"{op} has no attribute {key!r} (attributes: {', '.join(opdef.attr_names()) or 'none'})",
                            a.meta)
+            if filled[names.index(key)] is not None:
+                self.error(f"attribute {key!r} is given both by position and by name", a.meta)
             filled[names.index(key)] = a.children[1]
         missing = [names[i] for i, a in enumerate(filled) if a is None]
         if missing:
@@ -314,7 +333,8 @@ class _Checker:
     def _cond_operand(self, tree, sorts):
         if tree.data == "call" and str(tree.children[0]) in ("size", "rank", "dtype"):
             kind, args = str(tree.children[0]), [a for a in tree.children[1:] if a is not None]
-            if len(args) != (2 if kind == "size" else 1) or args[0].data != "var":
+            if len(args) != (2 if kind == "size" else 1) or args[0].data != "var" or \
+                    (kind == "size" and args[1].data != "number"):
                 self.error(f"write {kind}(x{', dim' if kind == 'size' else ''}) with a tensor variable x", tree.meta)
             var = self._cond_operand(args[0], sorts)
             if var.sort != "tensor":
@@ -339,7 +359,8 @@ class _Checker:
         if tree.data in ("var", "call"):
             var = self._cond_operand(tree, sorts)
             if var.sort != sort:
-                self.error(f"cannot compare {sort} with {getattr(var, 'name', var.kind)!r} ({var.sort})", tree.meta)
+                what = var.name if isinstance(var, Var) else f"{var.kind}({var.var.name})"
+                self.error(f"cannot compare {sort} with {what!r} ({var.sort})", tree.meta)
             return var
         if tree.data == "number":
             return Lit(self.number(tree, sort), sort)
@@ -352,3 +373,13 @@ class _Checker:
 
 def _line(lines, n):
     return lines[n - 1] if 0 < n <= len(lines) else ""
+
+
+def _depth(tree) -> int:
+    """How deeply a parse tree nests, walked without recursion (the tree may be deeper than Python's stack)."""
+    deepest, stack = 0, [(tree, 1)]
+    while stack:
+        node, depth = stack.pop()
+        deepest = max(deepest, depth)
+        stack += [(c, depth + 1) for c in getattr(node, "children", ()) if isinstance(c, lark.Tree)]
+    return deepest

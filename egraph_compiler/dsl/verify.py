@@ -27,6 +27,7 @@ PROFILES = ("normal", "edges", "large", "tiny", "spread")
 EDGES = (0.0, 1.0, -1.0, 1e4, -1e4, 1e-6, -1e-6, 0.5, -2.0)
 TOLERANCES = {torch.float64: (1e-6, 1e-9), torch.float32: (1e-4, 1e-5),  # (rtol, atol)
               torch.float16: (1e-2, 1e-3), torch.bfloat16: (5e-2, 1e-2)}
+VERSION = 1  # bump when a change could turn a verdict: trust.py's cache of passed rules is keyed by it
 ATTEMPTS = 200  # draws per trial before giving up on a well-formed instance
 MAX_NUMEL = 100_000
 _COMPARE = {"<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge, "==": operator.eq,
@@ -41,6 +42,7 @@ class VerifyResult:
     max_error: float  # largest |lhs - rhs|, relative to the output's magnitude where that exceeds 1
     trials: int  # instances that ran
     message: str = ""
+    counterexample: str = ""  # a failing instance: inputs (shapes, dtype, leading values), attributes, lhs vs rhs
 
     def line(self) -> str:
         head = f"{'PASS' if self.passed else 'FAIL'}  {self.name:<26} max err {self.max_error:.1e}"
@@ -85,7 +87,7 @@ def _verify(rule: Rule, trials: int, seed: int, domain: bool) -> VerifyResult:
     sides = [(rule.lhs, rule.rhs, "")] + ([(rule.rhs, rule.lhs, "right to left: ")] if rule.both_ways else [])
     named = [getattr(torch, name, None) for name in _named(rule, "dtype")]
     dtypes = list(dict.fromkeys([torch.float32, torch.float64] + [d for d in named if d in TOLERANCES]))
-    ran, worst, message, last = 0, 0.0, "", ""
+    ran, worst, message, last, example = 0, 0.0, "", "", ""
     for t in range(trials):
         pattern, result, tag = sides[t % len(sides)]
         k = t // len(sides)
@@ -95,14 +97,14 @@ def _verify(rule: Rule, trials: int, seed: int, domain: bool) -> VerifyResult:
         last = inst if isinstance(inst, str) and inst else last
         if outcome is None:
             continue
-        ran, (error, what) = ran + 1, outcome
+        ran, (error, what, detail) = ran + 1, outcome
         if what and (not message or error > worst):
-            message = f"{tag}{what}; worst at {inst.describe()}"
+            message, example = f"{tag}{what}; worst at {inst.describe()}", tag + detail
         worst = max(worst, error)
     if ran == 0:
         detail = "no well-formed instance found" + (f" (last error: {last})" if last else "")
         return VerifyResult(rule.name, rule.location, False, math.inf, 0, detail)
-    return VerifyResult(rule.name, rule.location, not message, worst, ran, message)
+    return VerifyResult(rule.name, rule.location, not message, worst, ran, message, example)
 
 
 def _named(rule: Rule, kind: str) -> list:
@@ -317,18 +319,48 @@ def _interior_value(domain) -> float:
 # ---- comparing ----
 
 def _compare(inst: _Instance, result):
-    """(error, failure message or '') for one instance; None when the rule would not fire."""
+    """(error, failure message or '', counterexample or '') for one instance; None when the rule would not fire."""
     try:
         rhs = evaluate(result, inst.tensors, inst.attrs)
     except NotApplicable:
         return None
     except Exception as exc:
-        return math.inf, f"the other side fails: {_explain(exc)}"
+        what = f"the other side fails: {_explain(exc)}"
+        return math.inf, what, f"{what} on {_inputs(inst)}"
     lhs = inst.lhs
     if tuple(lhs.shape) != tuple(rhs.shape):
-        return math.inf, f"shapes differ: {list(lhs.shape)} vs {list(rhs.shape)}"
+        what = f"shapes differ: {list(lhs.shape)} vs {list(rhs.shape)}"
+        return math.inf, what, f"lhs and rhs {what} on {_inputs(inst)}"
     rtol, atol = max(TOLERANCES[d] for d in (inst.dtype, lhs.dtype, rhs.dtype) if d in TOLERANCES)
-    return _error(lhs.double(), rhs.double(), rtol, atol, _noise(inst, result, lhs, rhs))
+    error, what = _error(lhs.double(), rhs.double(), rtol, atol, _noise(inst, result, lhs, rhs))
+    return error, what, (_worst_element(inst, lhs.double(), rhs.double()) + f" on {_inputs(inst)}" if what else "")
+
+
+def _inputs(inst: _Instance) -> str:
+    """The instance as a user can rebuild it: each input's shape and leading values, then the attributes."""
+    def leading(t):
+        values = [str(bool(v)).lower() if t.dtype == torch.bool else f"{float(v):.4g}" for v in t.flatten()[:4]]
+        return ", ".join(values) + (", ..." if t.numel() > 4 else "")
+    tensors = ", ".join(f"{n}: shape {list(t.shape)} [{leading(t)}]" for n, t in inst.tensors.items())
+    attrs = "".join(f", {n}={v!r}" for n, v in inst.attrs.items())
+    return f"{str(inst.dtype)[6:]} {inst.profile} values {tensors}{attrs}"
+
+
+def _worst_element(inst, a, b) -> str:
+    """Where lhs and rhs differ most (NaN or inf on one side only counts as infinitely far), with the
+    input values there (inputs that broadcast to the output)."""
+    diff = torch.nan_to_num((a - b).abs(), nan=math.inf, posinf=math.inf)
+    diff = torch.where(a.isnan() & b.isnan() | (a == b), torch.zeros_like(diff), diff)
+    at = tuple(int(i) for i in torch.unravel_index(diff.flatten().argmax(), a.shape)) if a.dim() else ()
+    there = []
+    for name, t in inst.tensors.items():
+        try:
+            there.append(f"{name}={float(torch.broadcast_to(t, a.shape)[at]):.6g}")
+        except RuntimeError:  # an input that does not broadcast to the output (a reduction's, a reshape's)
+            pass
+    where = f" where {', '.join(there)}" if there else ""
+    return f"lhs {float(a[at]):.6g} vs rhs {float(b[at]):.6g} at {list(at)}{where} (max |lhs - rhs| " \
+           f"{float(diff.max()):.3g})"
 
 
 def _explain(exc: Exception) -> str:

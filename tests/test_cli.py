@@ -1,0 +1,112 @@
+"""`egc`: a user's mistake is one `error:` line (or a rule's caret block) on
+stderr and exit code 2 (bad command line) or 1 (bad file), never a traceback;
+`--debug` lets the exception through."""
+import pytest
+from typer.testing import CliRunner
+
+from egraph_compiler.cli import InputFailure, UsageError, app
+from egraph_compiler.dsl.library import library_dir
+
+runner = CliRunner()
+
+
+def fails(args, code, *fragments):
+    result = runner.invoke(app, args)
+    assert result.exit_code == code, result.output
+    assert "Traceback" not in result.output and result.stdout == ""
+    assert result.stderr.startswith("error: ")
+    for fragment in fragments:
+        assert fragment in result.stderr
+    return result.stderr
+
+
+def test_missing_rules_file(tmp_path):
+    missing = tmp_path / "nope.rules"
+    message = fails(["rules", "check", str(missing)], 2, str(missing), "no such file")
+    assert message.count("\n") == 1  # one line
+
+
+@pytest.mark.parametrize("command", ["check", "list", "verify"])
+def test_every_rules_command_reports_a_missing_path(command, tmp_path):
+    fails(["rules", command, str(tmp_path / "gone")], 2, str(tmp_path / "gone"))
+
+
+def test_directory_without_rules(tmp_path):
+    (tmp_path / "notes.txt").write_text("not rules")
+    fails(["rules", "list", str(tmp_path)], 2, str(tmp_path), "without *.rules")
+
+
+def test_directory_means_its_rules_files_sorted(tmp_path):
+    (tmp_path / "b.rules").write_text("rule second: neg(neg(x)) => x\n")
+    (tmp_path / "a.rules").write_text("rule first: mul(x, 1) => x\n")
+    (tmp_path / "skip.txt").write_text("rule ignored: frob(x) => x\n")
+    result = runner.invoke(app, ["rules", "list", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.index("first") < result.stdout.index("second") and "ignored" not in result.stdout
+    assert "a:" in result.stdout and "b:" in result.stdout  # each file is its own group
+
+
+def test_syntax_error_shows_the_caret_block(tmp_path):
+    bad = tmp_path / "bad.rules"
+    bad.write_text("rule fine: neg(neg(x)) => x\nrule r: mul(x, => x\n")
+    message = fails(["rules", "check", str(bad)], 1, f"{bad}:2:16: unexpected '=>'")
+    assert message.splitlines()[1:] == ["    rule r: mul(x, => x", "                   ^"]
+
+
+def test_duplicate_names_across_files(tmp_path):
+    (tmp_path / "a.rules").write_text("rule same: neg(neg(x)) => x\n")
+    (tmp_path / "b.rules").write_text("rule same: mul(x, 1) => x\n")
+    fails(["rules", "check", str(tmp_path)], 1, "duplicate rule name 'same'", "a.rules:1")
+
+
+def test_unreadable_rules_file(tmp_path):
+    binary = tmp_path / "binary.rules"
+    binary.write_bytes(b"\xff\xfe\x00rule")
+    fails(["rules", "check", str(binary)], 1, str(binary), "cannot read it")
+
+
+def test_library_directory_verifies():
+    result = runner.invoke(app, ["rules", "verify", str(library_dir())])
+    assert result.exit_code == 0, result.output
+    assert " 0 failed" in result.stdout and "FAIL" not in result.stdout
+
+
+def test_unknown_workload_or_file():
+    fails(["explain", "no_such_workload"], 2, "no_such_workload", "neither a workload")
+
+
+@pytest.mark.parametrize("source, fragments", [
+    ("x = 1\n", ["defines no program and no example_inputs"]),
+    ("def program(x):\n    return x\n", ["defines no example_inputs"]),
+    ("import math\n\nmath.sqrt(-1)\n", [":3: importing it failed: ValueError: math domain error"]),
+    ("def program(:\n", [":1: importing it failed: SyntaxError"]),
+    ("def program(x):\n    return x\n\ndef example_inputs():\n    return 1 / 0\n",
+     [":5: example_inputs() failed: ZeroDivisionError"]),
+])
+def test_program_file_that_cannot_be_loaded(tmp_path, source, fragments):
+    path = tmp_path / "prog.py"
+    path.write_text(source)
+    fails(["explain", str(path)], 1, str(path), *fragments)
+
+
+@pytest.mark.parametrize("args", [["explain", "softmax", "--level", "bogus"],
+                                  ["explain", "softmax", "--size", "huge"]])
+def test_bad_options_of_explain(args):
+    fails(args, 2, args[-1])
+
+
+@pytest.mark.parametrize("args, error", [
+    (["rules", "check", "/no/such/path.rules"], UsageError),
+    (["explain", "/no/such/program.py"], UsageError),
+])
+def test_debug_lets_the_exception_through(args, error):
+    result = runner.invoke(app, ["--debug"] + args)
+    assert isinstance(result.exception, error)
+    assert not result.stderr.startswith("error: ")
+
+
+def test_debug_keeps_the_cause_of_a_failed_import(tmp_path):
+    path = tmp_path / "prog.py"
+    path.write_text("raise KeyError('k')\n")
+    result = runner.invoke(app, ["--debug", "explain", str(path)])
+    assert isinstance(result.exception, InputFailure) and isinstance(result.exception.__cause__, KeyError)
