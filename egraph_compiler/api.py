@@ -56,7 +56,7 @@ class CompiledFunction:
 
 def compile(fn, example_inputs, *, target="cpu", rules=(), disable=(), unsafe=False,
             iter_limit=30, node_limit=50_000, time_limit=10.0, strict=False, extraction="greedy",
-            ilp_time_limit=5.0, profile=None, dot=False) -> CompiledFunction:
+            ilp_time_limit=5.0, profile=None, dot=False, trust_rules=False) -> CompiledFunction:
     """Compile a function or nn.Module for inputs shaped like `example_inputs`.
 
     rules: extra rule files (paths) or rule text added to the library.
@@ -68,12 +68,15 @@ def compile(fn, example_inputs, *, target="cpu", rules=(), disable=(), unsafe=Fa
     and keep the cheaper plan.  profile: the cost model's device profile
     ("cpu" is calibrated on this machine by default; "cpu-default", "h200").
     dot: keep the saturated e-graph as Graphviz DOT text in `levels.dot`.
+    trust_rules: skip the numerical check that user rules get on first use
+    (a rule that fails it is refused with a counterexample).
     """
     example_inputs = _check_examples(example_inputs)
     if extraction not in ("greedy", "ilp"):
         raise ValueError(f"extraction must be 'greedy' or 'ilp', not {extraction!r}")
     options = Options(target, list(rules), list(disable), unsafe, iter_limit, node_limit, time_limit, strict,
-                      profile=profile, extraction=extraction, ilp_time_limit=ilp_time_limit, dot=dot)
+                      profile=profile, extraction=extraction, ilp_time_limit=ilp_time_limit, dot=dot,
+                      trust_rules=trust_rules)
     return CompiledFunction(*run_pipeline(fn, example_inputs, options), fn=fn)
 
 

@@ -18,6 +18,7 @@ from . import capture as capture_mod
 from .calibrate import profile_for
 from .dsl.library import check_unique, library_phases, library_rules, load_user_items, schedule, select
 from .dsl.parser import Phase
+from .dsl.trust import check_user_rules
 from .egraph import encode, extract, saturate
 from .egraph.egg import EgglogSession
 from .egraph.facts import FactFeeder, needs_facts
@@ -49,6 +50,7 @@ class Options:
     extraction: str = "greedy"  # greedy | ilp
     ilp_time_limit: float = 5.0
     dot: bool = False  # keep the saturated e-graph as Graphviz DOT text (levels.dot)
+    trust_rules: bool = False  # skip the numerical check of user rules
 
 
 @dataclass
@@ -108,6 +110,8 @@ def build_egraph(fn, example_inputs, options: Options, levels: Levels | None = N
     user = load_user_items(options.rules)
     rules = library_rules() + [r for r in user if not isinstance(r, Phase)]
     check_unique(rules)
+    if not options.trust_rules:
+        check_user_rules(user)  # each user rule verified on tensors once (cached by its text)
     rules = select(rules, options.disable, options.unsafe)
     phases = library_phases() + [p for p in user if isinstance(p, Phase)]
     levels.timings["capture"] = time.perf_counter() - clock

@@ -27,3 +27,39 @@ def test_model_with_an_unsupported_layer_lists_its_fallback():
     assert any("conv1d" in f for f in compiled.plan.fallbacks)
     with torch.no_grad():
         torch.testing.assert_close(compiled(x), model(x), atol=1e-5, rtol=1e-5)
+
+
+transformers = pytest.importorskip("transformers")
+
+
+def _hf_models():
+    from transformers import BertConfig, BertModel, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+    return {
+        "gpt2": lambda: GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64,
+                                                   bos_token_id=0, eos_token_id=0)),
+        "llama_gqa": lambda: LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                                                          num_key_value_heads=2, intermediate_size=128,
+                                                          vocab_size=128)),
+        "bert": lambda: BertModel(BertConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                                             intermediate_size=128, vocab_size=128)),
+    }
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama_gqa", "bert"])
+def test_transformers_model_through_torch_compile(name):
+    torch.manual_seed(0)
+    model = _hf_models()[name]().eval()
+    ids = torch.randint(0, 128, (2, 16))
+    compiled_graphs = []
+
+    def backend(gm, example_inputs):
+        run = egc.dynamo_backend(gm, example_inputs)
+        compiled_graphs.append(run.compiled)
+        return run
+    torch._dynamo.reset()
+    with torch.no_grad():
+        expected = model(ids)
+        got = torch.compile(model, backend=backend)(ids)
+    key = "logits" if hasattr(expected, "logits") else "last_hidden_state"
+    torch.testing.assert_close(getattr(got, key), getattr(expected, key), atol=1e-4, rtol=1e-4)
+    assert compiled_graphs and all(len(c.plan.kernels) for c in compiled_graphs)

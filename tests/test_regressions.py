@@ -209,3 +209,18 @@ def test_module_with_parameters_under_no_grad_runs_compiled():
         out = compiled(x)
     assert out.grad_fn is None
     torch.testing.assert_close(out, model(x).detach())
+
+
+# ---- user rules are verified before they are trusted ----
+
+def test_unsound_user_rule_is_refused():
+    from egraph_compiler.errors import UnsoundRuleError
+    x = torch.randn(4, 4)
+    with pytest.raises(UnsoundRuleError, match=r"rule bad is unsound"):
+        egc.compile(lambda x, y: x + y, [x, x], rules=["rule bad: add(x, y) => mul(x, y)"])
+
+
+def test_trusted_user_rule_skips_the_check():
+    x = torch.randn(4, 4)
+    compiled = egc.compile(lambda x: x + x, [x], rules=["rule double: add(x, x) => mul(x, 2)"], trust_rules=True)
+    torch.testing.assert_close(compiled(x), x + x)
