@@ -161,8 +161,6 @@ def result_dtype(opdef: ops.OpDef, args, attrs) -> str:
     out = getattr(torch, strong[0])
     for d in strong[1:]:
         out = torch.promote_types(out, getattr(torch, d))
-    if out == torch.bool and opdef.name in ("add", "sub", "mul", "div", "pow"):
-        out = torch.float32
     if opdef.name == "div" and not out.is_floating_point:
         out = torch.float32
     return str(out).removeprefix("torch.")
