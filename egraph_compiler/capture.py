@@ -158,16 +158,18 @@ def _convert(fx_node, env, where) -> object:
     args = [_arg(a, env) for a in fx_node.args]
     kwargs = {k: _arg(v, env) for k, v in fx_node.kwargs.items()}
     converter = CONVERTERS.get(fx_node.target)
-    result = None
+    result, reason = None, "outside the vocabulary"
     if converter is not None:
+        reason = "an argument or form the op table does not model"
         try:
             result = converter(*args, **kwargs)
         except (ops.ShapeError, TypeError, ValueError, KeyError):
             result = None  # a form of the op we do not model: run it through ATen
     if isinstance(result, Node):
         result = _as_torch_types(result, fx_node.meta.get("val"))
+        reason = "torch's result type differs from the op table's"
     if result is None:
-        result = _extern(fx_node, env)
+        result = _extern(fx_node, env, reason)
     for node in result if isinstance(result, (list, tuple)) else [result]:
         where.setdefault(id(node), user_line(fx_node))
     return result
@@ -205,7 +207,7 @@ def _arg(a, env):
     return a
 
 
-def _extern(fx_node, env) -> object:
+def _extern(fx_node, env, reason: str) -> object:
     tensors, template = [], []
 
     def freeze(a):
@@ -217,17 +219,14 @@ def _extern(fx_node, env) -> object:
         return a
 
     template = tuple(freeze(a) for a in fx_node.args)
-    kwargs = tuple((k, v) for k, v in fx_node.kwargs.items())
-    if any(isinstance(v, torch.fx.Node) for _, v in kwargs):
-        raise CaptureError(f"{fx_node.target}: tensor keyword arguments are not supported "
-                           f"({user_line(fx_node)})")
+    kwargs = tuple((k, freeze(v)) for k, v in fx_node.kwargs.items())
     val = fx_node.meta["val"]
     vals = list(val) if isinstance(val, (list, tuple)) else [val]
     results = []
     for i, v in enumerate(vals):
         call = ExternCall(fx_node.target, template, kwargs, tuple(v.shape),
                           str(v.dtype).removeprefix("torch."),
-                          i if isinstance(val, (list, tuple)) else None, user_line(fx_node))
+                          i if isinstance(val, (list, tuple)) else None, user_line(fx_node), reason=reason)
         object.__setattr__(call, "key", f"{fx_node.target}#{id(call):x}")
         results.append(Node.make("extern", tuple(tensors), {"target": call}, shape=call.shape, dtype=call.dtype))
     return results if isinstance(val, (list, tuple)) else results[0]

@@ -41,6 +41,7 @@ class ExternCall:
     item: int | None  # index into a tuple result
     where: str  # the user's source line, for messages
     key: str = field(default="")
+    reason: str = "outside the vocabulary"  # why ATen runs it
 
     def __str__(self):
         return self.key or str(self.target)
@@ -48,7 +49,8 @@ class ExternCall:
     def run(self, tensors: list[torch.Tensor]) -> torch.Tensor:
         it = iter(tensors)
         args = [_fill(a, it) for a in self.template]
-        out = self.target(*args, **dict(self.kwargs))
+        kwargs = {k: _fill(v, it) for k, v in self.kwargs}
+        out = self.target(*args, **kwargs)
         return out[self.item] if self.item is not None else out
 
 

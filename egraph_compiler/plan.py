@@ -180,7 +180,7 @@ def kernel_body(root: Node) -> tuple[list[Node], list[Node]]:
 
 def _kind(node: Node, body, inputs) -> tuple[str, str]:
     if node.op == "extern":
-        return "aten", "op outside the vocabulary"
+        return "aten", node.attr("target").reason
     if node.group == "library":
         return "library", ""
     dtypes = {n.dtype for n in body} | {i.dtype for i in inputs}

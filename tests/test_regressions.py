@@ -224,3 +224,13 @@ def test_trusted_user_rule_skips_the_check():
     x = torch.randn(4, 4)
     compiled = egc.compile(lambda x: x + x, [x], rules=["rule double: add(x, x) => mul(x, 2)"], trust_rules=True)
     torch.testing.assert_close(compiled(x), x + x)
+
+
+def test_extern_with_tensor_keyword_arguments():
+    fn = lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True)  # noqa: E731
+    q, k, v = torch.randn(1, 4, 6, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
+    m = torch.randn(6, 6)
+    with pytest.warns(UserWarning, match="does not model"):
+        compiled = egc.compile(fn, [q, k, v, m])
+    same(compiled, fn, q, k, v, m)
+    assert any("does not model" in f for f in compiled.plan.fallbacks)
