@@ -4,9 +4,12 @@ kernel.  The outer loop is `omp parallel for`, inner loops are `omp simd`
 library by name so that, with glibc's vector math library, they vectorise."""
 from __future__ import annotations
 
+import ctypes
+
+from egraph_compiler.cache import build_shared_object
 from egraph_compiler.loopir import STASH, LoopKernel
 
-from .walker import Target, float_literal, render_expr
+from .walker import Target, float_literal, render_expr, render_index
 
 CTYPES = {"float32": "float", "float64": "double", "bool": "bool", "int64": "int64_t", "int32": "int32_t"}
 PARALLEL_MIN = 1 << 15  # below this many elements, threads cost more than they save
@@ -18,7 +21,7 @@ SCALAR_OPS = {
     "silu": "(({0}) / (1.0f + expf(-({0}))))",
     "gelu": "(0.5f * ({0}) * (1.0f + erff(({0}) * 0.7071067811865476f)))",
     "gelu_tanh": "(0.5f * ({0}) * (1.0f + tanhf(0.7978845608028654f * (({0}) + 0.044715f * ({0}) * ({0}) * ({0})))))",
-    "cast": "static_cast<float>({0})",
+    "cast": "static_cast<{dtype}>({0})",
     "add": "(({0}) + ({1}))", "sub": "(({0}) - ({1}))", "mul": "(({0}) * ({1}))", "div": "(({0}) / ({1}))",
     "maximum": "egc_maximum({0}, {1})", "pow": "powf({0}, {1})",
     "gt": "(({0}) > ({1}))", "ge": "(({0}) >= ({1}))", "lt": "(({0}) < ({1}))", "le": "(({0}) <= ({1}))",
@@ -41,13 +44,20 @@ __attribute__((simd("notinbranch"))) float powf(float, float);
 static inline float egc_maximum(float a, float b) { return (a != a || a > b) ? a : ((b != b) ? b : std::max(a, b)); }
 """
 
-TARGET = Target(
-    ops=SCALAR_OPS,
-    load=lambda e: f"{e.param}[{e.index}]",
-    const=lambda v: float_literal(v, "f", "INFINITY", "NAN"),
-    pow_special={2.0: "(({0}) * ({0}))", 0.5: "std::sqrt({0})", 1.0: "({0})", 3.0: "(({0}) * ({0}) * ({0}))",
-                 -1.0: "(1.0f / ({0}))"},
-)
+def load(source: str, kernels: list[LoopKernel]):
+    """Build (or find in the cache) the shared object, and wrap each kernel as
+    a callable over torch tensors: their data pointers go through ctypes."""
+    path, compiled_now = build_shared_object(source)
+    library = ctypes.CDLL(str(path))
+    calls = {}
+    for k in kernels:
+        fn = getattr(library, k.name)
+        fn.restype = None
+        fn.argtypes = [ctypes.c_void_p] * len(k.params)
+        calls[k.name] = lambda *tensors, fn=fn: fn(*[t.data_ptr() for t in tensors])
+    return calls, compiled_now
+
+
 
 # A max reduction keeps a NaN flag beside the maximum (a NaN anywhere in the row
 # makes the result NaN, as in torch), so that both stay plain vectorisable reductions.
@@ -62,6 +72,14 @@ _REDUCTIONS = {
 }
 
 
+def _load(e) -> str:
+    return f"{e.param}[{render_index(e.index, TARGET)}]"
+
+
+def _expr(e) -> str:
+    return render_expr(e, TARGET, _load)
+
+
 def render_kernel(k: LoopKernel) -> str:
     params = ", ".join(
         f"{'const ' if p.role == 'in' else ''}{CTYPES[p.dtype]}* __restrict__ {p.name}" for p in k.params)
@@ -74,7 +92,7 @@ def render_kernel(k: LoopKernel) -> str:
         lines.append(f"    alignas(64) float {STASH}[{k.inner}];")
     for i, red in enumerate(k.reductions):
         init, pragma, step, finish = _REDUCTIONS[red.combiner]
-        body = render_expr(red.body, TARGET)
+        body = _expr(red.body)
         lines.append(init.format(acc=red.acc))
         lines.append(pragma.format(acc=red.acc))
         step = step.format(acc=red.acc, v=body)
@@ -96,9 +114,18 @@ def render_kernel(k: LoopKernel) -> str:
 
 
 def _store(param, index, value, types) -> str:
-    return f"{param}[{index}] = static_cast<{types[param]}>({render_expr(value, TARGET)});"
+    return f"{param}[{render_index(index, TARGET)}] = static_cast<{types[param]}>({_expr(value)});"
 
 
 def render_program(kernels: list[LoopKernel]) -> str:
     return PRELUDE + "\n" + "\n\n".join(render_kernel(k) for k in kernels) + "\n"
 
+
+TARGET = Target(
+    name="cpu", language="generated C++", device="cpu", ops=SCALAR_OPS,
+    const=lambda v: float_literal(v, "f", "INFINITY", "NAN"),
+    pow_special={2.0: "(({0}) * ({0}))", 0.5: "std::sqrt({0})", 1.0: "({0})", 3.0: "(({0}) * ({0}) * ({0}))",
+                 -1.0: "(1.0f / ({0}))"},
+    floordiv="/", dtypes=frozenset({"float32", "bool", "weak"}), dtype_names=CTYPES,
+    render=render_program, load=load,
+)

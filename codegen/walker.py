@@ -1,39 +1,77 @@
-"""The expression walker shared by the renderers: loop-IR scalar expressions
--> source text, with everything target-specific taken from a table."""
+"""The walker shared by the renderers: loop-IR expressions and index maps ->
+source text, with everything target-specific taken from a `Target` table.
+
+A target is one object: the scalar formula of every pointwise op, literals,
+index syntax, the dtypes its generated code handles, the device it runs on,
+and how a rendered program is built and loaded (`load`).  `codegen/cpp.py`
+and `codegen/triton.py` each hold one table plus the kernel skeleton that
+truly differs (scalar loops with OpenMP against blocked vectors)."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
-from egraph_compiler.loopir import Acc, Call, Const, Load
+from egraph_compiler.loopir import Acc, Affine, Call, Const, Load
 
 
 @dataclass(frozen=True)
 class Target:
-    ops: dict[str, str]  # op name -> format string over {0}, {1}, {2}
-    load: Callable[[Load], str]
+    name: str  # the `target=` a user gives
+    language: str  # for messages: "generated C++"
+    device: str  # where its tensors live: cpu | cuda
+    ops: dict[str, str]  # op name -> format string over {0}, {1}, {2} (cast: {dtype})
     const: Callable[[float], str]
     pow_special: dict[float, str]  # constant exponent -> format over {0}
+    floordiv: str  # index syntax: "/" in C, "//" in Python
+    dtypes: frozenset  # dtypes its generated code reads, computes and writes
+    dtype_names: dict[str, str] = field(default_factory=dict)  # our dtype -> the language's
+    render: Callable = None  # loop kernels -> the program's source
+    # (source, loop kernels) -> ({kernel name: callable over torch tensors, inputs then outputs}, compiled_now)
+    load: Callable = None
+
+    def generates(self, dtype: str) -> bool:
+        return dtype in self.dtypes
 
 
-def render_expr(expr, target: Target) -> str:
-    if isinstance(expr, Load):
-        return target.load(expr)
-    if isinstance(expr, Const):
-        return target.const(expr.value)
-    if isinstance(expr, Acc):
-        return expr.name
-    assert isinstance(expr, Call), expr
-    if expr.op == "div" and isinstance(expr.args[1], Acc):  # a row-invariant divisor: one reciprocal per row
-        reciprocal = target.ops["div"].format(target.const(1.0), expr.args[1].name)
-        return target.ops["mul"].format(render_expr(expr.args[0], target), reciprocal)
-    if expr.op == "pow" and isinstance(expr.args[1], Const) and expr.args[1].value in target.pow_special:
-        return target.pow_special[expr.args[1].value].format(render_expr(expr.args[0], target))
-    fmt = target.ops.get(expr.op)
-    if fmt is None:
-        raise KeyError(f"no scalar formula for {expr.op}")
-    return fmt.format(*(render_expr(a, target) for a in expr.args))
+def render_index(index: Affine, target: Target) -> str:
+    parts = []
+    for term, coeff in index.terms:
+        text = _term(term, target)
+        parts.append(text if coeff == 1 else f"{coeff}*{text}")
+    if index.const or not parts:
+        parts.append(str(index.const))
+    return " + ".join(parts)
+
+
+def _term(term, target: Target) -> str:
+    if term[0] == "var":
+        return term[1]
+    kind, inner, c = term
+    return f"(({render_index(inner, target)}) {target.floordiv if kind == 'div' else '%'} {c})"
+
+
+def render_expr(expr, target: Target, load: Callable[[Load], str], acc: Callable[[str], str] = str) -> str:
+    """`load` renders a buffer read (targets differ in masks and casts), `acc`
+    an accumulator's name."""
+    def walk(e) -> str:
+        if isinstance(e, Load):
+            return load(e)
+        if isinstance(e, Const):
+            return target.const(e.value)
+        if isinstance(e, Acc):
+            return acc(e.name)
+        assert isinstance(e, Call), e
+        if e.op == "div" and isinstance(e.args[1], Acc):  # a row-invariant divisor: one reciprocal per row
+            reciprocal = target.ops["div"].format(target.const(1.0), acc(e.args[1].name))
+            return target.ops["mul"].format(walk(e.args[0]), reciprocal)
+        if e.op == "pow" and isinstance(e.args[1], Const) and e.args[1].value in target.pow_special:
+            return target.pow_special[e.args[1].value].format(walk(e.args[0]))
+        fmt = target.ops.get(e.op)
+        if fmt is None:
+            raise KeyError(f"no scalar formula for {e.op} in {target.language}")
+        return fmt.format(*(walk(a) for a in e.args), dtype=target.dtype_names.get(e.dtype, e.dtype))
+    return walk(expr)
 
 
 def float_literal(value: float, suffix: str, inf: str, nan: str) -> str:

@@ -109,6 +109,7 @@ class Const:
 class Call:
     op: str  # an op-table name (pointwise) or an internal scalar op
     args: tuple
+    dtype: str = ""  # the target dtype of a `cast`
 
 
 @dataclass(frozen=True)
@@ -178,7 +179,7 @@ def substitute(expr, old, new):
     if expr == old:
         return new
     if isinstance(expr, Call):
-        return Call(expr.op, tuple(substitute(a, old, new) for a in expr.args))
+        return Call(expr.op, tuple(substitute(a, old, new) for a in expr.args), expr.dtype)
     return expr
 
 
@@ -190,7 +191,7 @@ def rename_accs(expr, mapping: dict):
     if isinstance(expr, Acc):
         return Acc(mapping.get(expr.name, expr.name))
     if isinstance(expr, Call):
-        return Call(expr.op, tuple(rename_accs(a, mapping) for a in expr.args))
+        return Call(expr.op, tuple(rename_accs(a, mapping) for a in expr.args), expr.dtype)
     return expr
 
 

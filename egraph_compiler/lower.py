@@ -263,7 +263,10 @@ class _Lowering:
             return self.reduction(n, index)
         if n.group != "pointwise":
             raise CodegenError(f"{n.op} cannot be computed inside a generated kernel")
-        return Call(n.op, tuple(self.operand(a, _broadcast_index(index, n.shape, a.shape)) for a in n.args))
+        if n.op == "cast" and n.dtype == "bool":  # nonzero is true, in every target
+            return Call("ne", (self.operand(n.args[0], index), Const(0.0)))
+        return Call(n.op, tuple(self.operand(a, _broadcast_index(index, n.shape, a.shape)) for a in n.args),
+                    n.attr("dtype") if n.op == "cast" else "")
 
     def reduction(self, node: Node, index):
         """The reduction's value at `index` (of its result): an accumulator over

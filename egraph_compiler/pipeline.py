@@ -12,8 +12,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 
-from codegen.cpp import render_program
-
+from .codegen import get_target
 from . import capture as capture_mod
 from .calibrate import profile_for
 from .dsl.library import check_unique, library_phases, library_rules, load_user_items, schedule, select
@@ -38,7 +37,7 @@ _warned: set[str] = set()
 
 @dataclass
 class Options:
-    target: str = "cpu"
+    target: str | None = None  # cpu | cuda | triton; None: cuda when the inputs are on a GPU
     rules: list = field(default_factory=list)
     disable: list = field(default_factory=list)
     unsafe: object = False
@@ -72,14 +71,14 @@ class Levels:
 
 def run_pipeline(fn, example_inputs, options: Options):
     """Returns (executable, plan, report, levels)."""
-    if options.target != "cpu":
-        raise EgraphCompilerError(f"target {options.target!r} is not available; use target='cpu'")
+    target = _target(options.target, example_inputs)
     levels = Levels()
     graph, eclasses, report, rules = build_egraph(fn, example_inputs, options, levels)
 
-    profile = profile_for(options.profile or os.environ.get(PROFILE_ENV) or options.target)
+    profile = profile_for(options.profile or os.environ.get(PROFILE_ENV) or
+                          ("h200" if target.device == "cuda" else "cpu"))
     clock = time.perf_counter()
-    plan = _extract(eclasses, graph, profile, options)
+    plan = _extract(eclasses, graph, profile, options, target)
     plan.rules_fired = dict(report.matches)
     levels.timings["extract"] = time.perf_counter() - clock
     _warn_fallbacks(plan)
@@ -91,9 +90,9 @@ def run_pipeline(fn, example_inputs, options: Options):
         kernel.loop_nest = followers.get(kernel.name, "")
     levels.plan = str(plan) + "\n\n" + str(plan.graph)
     levels.loops = "\n\n".join(str(k) for k in loops)
-    levels.source = render_program(loops)
+    levels.source = target.render(loops)
     clock = time.perf_counter()
-    executable = Executable(plan, levels.source, loops, buffer_names)
+    executable = Executable(plan, levels.source, loops, buffer_names, target)
     levels.timings["load"] = time.perf_counter() - clock
     if os.environ.get(DEBUG_ENV):
         print(levels, file=sys.stderr)
@@ -147,11 +146,25 @@ def _session_for(rules) -> EgglogSession:
     return _SESSIONS[key]
 
 
-def _extract(eclasses, graph: Graph, profile, options: Options) -> Plan:
+def _target(name: str | None, example_inputs):
+    if name is None:
+        name = "cuda" if any(x.device.type == "cuda" for x in example_inputs) else "cpu"
+    try:
+        target = get_target(name)
+    except ValueError as exc:
+        raise EgraphCompilerError(str(exc)) from None
+    devices = {x.device.type for x in example_inputs}
+    if devices - {target.device}:
+        raise EgraphCompilerError(f"target {name!r} runs on {target.device}, but example inputs are on "
+                                  f"{', '.join(sorted(devices))}")
+    return target
+
+
+def _extract(eclasses, graph: Graph, profile, options: Options, target) -> Plan:
     """Greedy by default; with extraction='ilp' also the integer program, and
     the plan with the lower estimated cost wins.  Both costs are reported."""
     best, dag_cost = extract_kernels(eclasses, graph, profile)
-    plan = make_plan(best, profile)
+    plan = make_plan(best, profile, target)
     plan.extraction = (f"extraction: greedy (DAG cost {dag_cost * 1e6:.1f}us, plan {plan.cost * 1e6:.1f}us) "
                        f"over {eclasses.enode_count} e-nodes")
     if options.extraction != "ilp":
@@ -160,7 +173,7 @@ def _extract(eclasses, graph: Graph, profile, options: Options) -> Plan:
     if result.choice is None:
         plan.extraction += f"; ilp: {result.status}, kept greedy"
         return plan
-    ilp_plan = make_plan(build(eclasses, ilp.as_extractor(eclasses, profile, result.choice), graph), profile)
+    ilp_plan = make_plan(build(eclasses, ilp.as_extractor(eclasses, profile, result.choice), graph), profile, target)
     winner = ilp_plan if ilp_plan.cost < plan.cost else plan
     winner.extraction = (plan.extraction + f"; ilp: {result.status}, objective {result.objective * 1e6:.1f}us, "
                          f"plan {ilp_plan.cost * 1e6:.1f}us; chose {'ilp' if winner is ilp_plan else 'greedy'}")

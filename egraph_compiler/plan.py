@@ -20,7 +20,6 @@ from .errors import CodegenError
 from .graph import Graph, Node, topo_order, type_str, view_source
 from .lower import illegal_edges
 
-GENERATED_DTYPES = {"float32", "bool", "weak"}
 
 
 @dataclass
@@ -75,20 +74,20 @@ class Plan:
         return "\n".join(lines)
 
 
-def make_plan(graph: Graph, profile: DeviceProfile, rules_fired=None) -> Plan:
+def make_plan(graph: Graph, profile: DeviceProfile, target) -> Plan:
     """One kernel per materialised node, in dependency order.  Fusion rules
     judge each edge alone, so a kernel can hold reductions that no single
     loop nest computes (rows feeding a reduction over columns): the index-map
     check of lowering names those inline edges, which become materialised."""
     while True:
-        plan = _kernels(graph, profile, rules_fired)
+        plan = _kernels(graph, profile, target)
         cut = set().union(*(illegal_edges(k.output) for k in plan.kernels if k.kind == "generated"))
         if not cut:
             return plan
         graph = _rebuild(graph, cut)
 
 
-def _kernels(graph: Graph, profile: DeviceProfile, rules_fired) -> Plan:
+def _kernels(graph: Graph, profile: DeviceProfile, target) -> Plan:
     outputs = {id(o) for o in graph.outputs}
     kernels: list[Kernel] = []
     fallbacks: list[str] = []
@@ -111,13 +110,13 @@ def _kernels(graph: Graph, profile: DeviceProfile, rules_fired) -> Plan:
             stack.extend((i, False) for i in reversed(inputs) if id(i) not in done)
             continue
         done.add(id(node))
-        kind, reason = _kind(node, body, inputs)
+        kind, reason = _kind(node, body, inputs, target)
         kernel = Kernel(f"k{len(kernels)}", kind, node, body, inputs, reason=reason)
         _estimate(kernel, profile)
         kernels.append(kernel)
         if kind == "aten":
             fallbacks.append(_fallback_entry(node, reason, graph))
-    return Plan(graph, kernels, fallbacks, dict(rules_fired or {}))
+    return Plan(graph, kernels, fallbacks)
 
 
 def _fallback_entry(node: Node, reason: str, graph: Graph) -> str:
@@ -178,14 +177,16 @@ def kernel_body(root: Node) -> tuple[list[Node], list[Node]]:
     return body, inputs
 
 
-def _kind(node: Node, body, inputs) -> tuple[str, str]:
+def _kind(node: Node, body, inputs, target) -> tuple[str, str]:
+    """Generated where the target (its `dtypes` and `language`) handles every
+    dtype the kernel touches; library calls; ATen for the rest."""
     if node.op == "extern":
         return "aten", node.attr("target").reason
     if node.group == "library":
         return "library", ""
     dtypes = {n.dtype for n in body} | {i.dtype for i in inputs}
-    if not dtypes <= GENERATED_DTYPES:
-        return "aten", f"dtype {', '.join(sorted(dtypes - GENERATED_DTYPES))} in generated C++"
+    if not dtypes <= target.dtypes:
+        return "aten", f"dtype {', '.join(sorted(dtypes - target.dtypes))} in {target.language}"
     return "generated", ""
 
 

@@ -1,20 +1,16 @@
-"""Runtime: compile generated C++ with the system compiler, load it, and run
-a plan's kernels on torch buffers.
+"""Runtime: the target-neutral executor of a plan's kernels on torch buffers.
 
-Shared objects are cached on disk by a hash of their source and flags, so a
-second compile of the same program does no C++ compile.  Buffers are torch
-tensors: generated kernels get their data pointers; library calls and ATen
-fallbacks get torch views built from the same buffers.
+The target's loader (C++: build and ctypes; Triton: import and launch) turns
+the rendered source into one callable per generated kernel, taking torch
+tensors (inputs, then outputs).  Library calls and ATen fallbacks run through
+torch on views of the same buffers.  Buffers live on the target's device.
 """
 from __future__ import annotations
-
-import ctypes
 
 import torch
 from torch.utils import _pytree as pytree
 
 from . import ops
-from .cache import build_shared_object
 from .errors import CodegenError, InputError
 from .graph import WEAK, Graph, Literal, Node, view_source
 from .plan import Plan, release_schedule, verify_plan
@@ -24,16 +20,16 @@ def torch_dtype(dtype: str) -> torch.dtype:
 
 
 class Executable:
-    """Runs a plan: generated kernels through ctypes, the rest through torch."""
+    """Runs a plan: generated kernels through the target's loader, the rest through torch."""
 
-    def __init__(self, plan: Plan, source: str, loops, buffer_names: dict[int, str]):
+    def __init__(self, plan: Plan, source: str, loops, buffer_names: dict[int, str], target):
         self.plan = plan
         self.graph: Graph = plan.graph
+        self.target = target
         self.compiled_now = False
-        self._lib = None
+        self._calls = {}
         if loops:
-            path, self.compiled_now = build_shared_object(source)
-            self._lib = ctypes.CDLL(str(path))
+            self._calls, self.compiled_now = target.load(source, loops)
         nodes = {name: node for node in _all_nodes(plan) for name in [buffer_names.get(id(node))] if name}
         loops_by_name = {lk.name: lk for lk in loops}
         self._steps = [self._step(k, loops_by_name, nodes) for k in plan.kernels]
@@ -47,9 +43,7 @@ class Executable:
         if kernel.loop_nest:  # computed by its sibling's loop nest
             return ("done", kernel.output, None, None)
         loop = loops_by_name[kernel.name]
-        fn = getattr(self._lib, kernel.name)
-        fn.restype = None
-        fn.argtypes = [ctypes.c_void_p] * len(loop.params)
+        fn = self._calls[kernel.name]
         ins = [nodes[p.name] for p in loop.params if p.role == "in"]
         outs = [nodes[p.name] for p in loop.params if p.role == "out"]
         return ("generated", outs, ins, fn)
@@ -59,8 +53,8 @@ class Executable:
         env = self._bind(args)
         for step, (kind, node, inputs, fn) in enumerate(self._steps):
             if kind == "generated":
-                outs = [torch.empty(n.shape, dtype=torch_dtype(n.dtype)) for n in node]
-                fn(*[env[id(i)].data_ptr() for i in inputs], *[o.data_ptr() for o in outs])
+                outs = [torch.empty(n.shape, dtype=torch_dtype(n.dtype), device=self.target.device) for n in node]
+                fn(*[env[id(i)] for i in inputs], *outs)
                 env.update((id(n), o) for n, o in zip(node, outs))
             elif kind != "done":
                 env[id(node)] = self._run_torch(node, env)
@@ -100,8 +94,7 @@ class Executable:
                 env[id(node)] = self._check(node, self.graph.bound[node.attr("name")].get())
         return env
 
-    @staticmethod
-    def _check(node: Node, value) -> torch.Tensor:
+    def _check(self, node: Node, value) -> torch.Tensor:
         name = node.attr("name")
         if not isinstance(value, torch.Tensor):
             raise InputError(f"argument {name!r} must be a torch.Tensor, got {type(value).__name__}")
@@ -109,8 +102,9 @@ class Executable:
             raise InputError(f"argument {name!r}: compiled for {node.dtype}{list(node.shape)}, "
                              f"got {str(value.dtype).removeprefix('torch.')}{list(value.shape)}; compile again "
                              f"for the new shape")
-        if value.device.type != "cpu":
-            raise InputError(f"argument {name!r} is on {value.device}; the C++ target runs on the CPU")
+        if value.device.type != self.target.device:
+            raise InputError(f"argument {name!r} is on {value.device}; target {self.target.name!r} runs on "
+                             f"{self.target.device} (compile with inputs on the device it should run on)")
         return value.detach().contiguous()
 
     def _tensor(self, node: Node, env) -> torch.Tensor:

@@ -1,5 +1,7 @@
 """Regression tests: each defect a new user found, as the smallest program that
 showed it.  Every case is compared with eager torch, dtype included."""
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -230,7 +232,8 @@ def test_extern_with_tensor_keyword_arguments():
     fn = lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True)  # noqa: E731
     q, k, v = torch.randn(1, 4, 6, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
     m = torch.randn(6, 6)
-    with pytest.warns(UserWarning, match="does not model"):
+    with warnings.catch_warnings():  # warned once per process: an earlier test may have seen it
+        warnings.simplefilter("ignore")
         compiled = egc.compile(fn, [q, k, v, m])
     same(compiled, fn, q, k, v, m)
     assert any("does not model" in f for f in compiled.plan.fallbacks)

@@ -1,0 +1,252 @@
+"""Triton renderer: loop IR -> one `@triton.jit` function per kernel, and its
+loader (write the module into the cache, import it, launch on a grid).
+
+A kernel computes a block of XBLOCK outer indices (rows) against RBLOCK inner
+indices: `o` is a column [XBLOCK, 1], `r` a row [1, RBLOCK].  Pointwise kernels
+tile both over a 2-D grid.  Row kernels keep a whole row in registers when it
+fits (persistent: each reduction is one `tl.sum`/`tl.max`, and the stashed
+body is a value reused by the store, so the input is read once); longer rows
+loop over RBLOCK chunks.  Arithmetic runs in float32; half-precision buffers
+are widened when loaded and rounded when stored.  This is the only module that
+imports triton; CPU tensors run under the Triton interpreter (TRITON_INTERPRET=1).
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import sys
+from dataclasses import replace
+
+from egraph_compiler.cache import cache_dir
+from egraph_compiler.loopir import STASH, Affine, Load, LoopKernel, substitute
+
+from .walker import Target, render_expr, render_index
+
+PERSISTENT_MAX = 8192  # longest row kept in registers; longer rows loop over chunks
+LOOP_BLOCK = 2048
+POINTWISE_BLOCK = 1024  # elements per program of a pointwise kernel
+TL = {"float32": "tl.float32", "float16": "tl.float16", "bfloat16": "tl.bfloat16", "bool": "tl.int1"}
+
+SCALAR_OPS = {
+    "exp": "tl.exp({0})", "log": "tl.log({0})", "tanh": "(2.0 * tl.sigmoid(2.0 * ({0})) - 1.0)",
+    "erf": "tl.math.erf({0})", "relu": "tl.where(({0}) < 0, 0.0, ({0}))", "sigmoid": "tl.sigmoid({0})",
+    "neg": "(-({0}))", "abs": "tl.abs({0})", "sqrt": "tl.sqrt({0})", "rsqrt": "tl.rsqrt({0})",
+    "silu": "(({0}) * tl.sigmoid({0}))",
+    "gelu": "(0.5 * ({0}) * (1.0 + tl.math.erf(({0}) * 0.7071067811865476)))",
+    # 0.5 x (1 + tanh(u)) = x sigmoid(2u)
+    "gelu_tanh": "(({0}) * tl.sigmoid(1.5957691216057308 * (({0}) + 0.044715 * ({0}) * ({0}) * ({0}))))",
+    "cast": "({0}).to({dtype}).to(tl.float32)",  # round to the dtype, keep computing in float32
+    "add": "(({0}) + ({1}))", "sub": "(({0}) - ({1}))", "mul": "(({0}) * ({1}))", "div": "(({0}) / ({1}))",
+    "maximum": "_egc_maximum({0}, {1})", "pow": "_egc_pow({0}, {1})",
+    "gt": "(({0}) > ({1}))", "ge": "(({0}) >= ({1}))", "lt": "(({0}) < ({1}))", "le": "(({0}) <= ({1}))",
+    "eq": "(({0}) == ({1}))", "ne": "(({0}) != ({1}))",
+    "where": "tl.where({0}, {1}, {2})",
+}
+
+PRELUDE = '''import triton
+import triton.language as tl
+
+INF = tl.constexpr(float("inf"))
+NAN = tl.constexpr(float("nan"))
+
+
+@triton.jit
+def _egc_maximum(a, b):  # torch.maximum: a NaN on either side wins
+    return tl.where(a != a, a, tl.where(b != b, b, tl.maximum(a, b)))
+
+
+@triton.jit
+def _egc_pow(a, b):
+    b = b + tl.zeros_like(a)  # a constant exponent becomes a block like a
+    m = tl.exp2(b * tl.log2(tl.abs(a)))
+    whole = b == tl.floor(b)
+    odd = whole & (tl.abs(b - 2.0 * tl.floor(b * 0.5)) == 1.0)
+    m = tl.where((a < 0) & odd, -m, m)
+    m = tl.where((a < 0) & ~whole, NAN, m)
+    return tl.where(a == 0, tl.where(b > 0, 0.0, tl.where(b == 0, 1.0, INF)), m)
+'''
+
+
+def _const(value: float) -> str:
+    if value != value:
+        return "NAN"
+    if value in (float("inf"), float("-inf")):
+        return "INF" if value > 0 else "(-INF)"
+    return f"({float(value)!r})"
+
+
+_FIELDS = dict(
+    language="generated Triton", ops=SCALAR_OPS, const=_const,
+    pow_special={2.0: "(({0}) * ({0}))", 0.5: "tl.sqrt({0})", 1.0: "({0})", 3.0: "(({0}) * ({0}) * ({0}))",
+                 -1.0: "(1.0 / ({0}))"},
+    floordiv="//", dtypes=frozenset({"float32", "float16", "bfloat16", "bool", "weak"}), dtype_names=TL,
+)
+
+
+class _Kernel:
+    """Renders one loop kernel: its launch shape and its body lines."""
+
+    def __init__(self, k: LoopKernel):
+        self.k = k
+        self.types = {p.name: p.dtype for p in k.params}
+        self.pointwise = not k.reductions and all(s[3] for s in self.stores())
+        self.looped = not self.pointwise and k.inner > PERSISTENT_MAX
+        if self.pointwise:
+            self.rblock = min(_pow2(k.inner), POINTWISE_BLOCK)
+            self.xblock = max(1, min(POINTWISE_BLOCK // self.rblock, _pow2(k.outer)))
+        else:
+            self.rblock = LOOP_BLOCK if self.looped else _pow2(k.inner)
+            self.xblock = max(1, min(2048 // self.rblock, _pow2(k.outer), 64))
+        self.warps = 8 if self.rblock * self.xblock >= 4096 else 4
+        if self.rblock >= 8192:
+            self.warps = 16
+
+    def stores(self):
+        k = self.k
+        return [(k.store_param, k.store_index, k.value, k.store_in_inner)] + list(k.extra_stores)
+
+    def grid(self) -> tuple:
+        outer = -(-self.k.outer // self.xblock)
+        return (outer, -(-self.k.inner // self.rblock)) if self.pointwise else (outer,)
+
+    def load(self, e: Load) -> str:
+        if e.param == STASH:
+            return "stash"
+        index = render_index(e.index, TABLE)
+        names = _variables(e.index)
+        mask = {frozenset(): None, frozenset({"o"}): "omask", frozenset({"r"}): "rmask"}.get(frozenset(names), "mask")
+        text = f"tl.load({e.param} + ({index})" + (f", mask={mask}, other=0)" if mask else ")")
+        return f"{text}.to(tl.float32)" if self.types[e.param] in ("float16", "bfloat16") else text
+
+    def expr(self, e) -> str:
+        return render_expr(e, TABLE, self.load)
+
+    def render(self) -> str:
+        k = self.k
+        params = ", ".join(p.name for p in k.params)
+        lines = ["@triton.jit", f"def {k.name}({params}, XBLOCK: tl.constexpr, RBLOCK: tl.constexpr):",
+                 f"    o = tl.program_id(0) * XBLOCK + tl.arange(0, XBLOCK)[:, None]",
+                 f"    omask = o < {k.outer}"]
+        if self.pointwise:
+            lines += self._columns("tl.program_id(1) * RBLOCK", "    ")
+            lines += self._inner_stores("    ")
+            return "\n".join(lines)
+        if not self.looped:
+            lines += self._columns("0", "    ")
+        for i, red in enumerate(k.reductions):
+            lines += self._reduction(i, red)
+        stores = self.stores()
+        if any(s[3] for s in stores):
+            if self.looped:
+                lines.append(f"    for r0 in range(0, {k.inner}, RBLOCK):")
+                lines += self._columns("r0", "        ")
+                lines += self._inner_stores("        ")
+            else:
+                lines += self._inner_stores("    ")
+        for param, index, value, in_inner in stores:
+            if not in_inner:
+                lines.append(f"    tl.store({param} + ({render_index(index, TABLE)}) + o * 0, "
+                             f"{self._cast_out(param, self.expr(value))}, mask=omask)")
+        return "\n".join(lines)
+
+    def _columns(self, start: str, pad: str) -> list[str]:
+        return [f"{pad}r = {start} + tl.arange(0, RBLOCK)[None, :]", f"{pad}rmask = r < {self.k.inner}",
+                f"{pad}mask = omask & rmask"]
+
+    def _reduction(self, i: int, red) -> list[str]:
+        acc, is_max = red.acc, red.combiner == "max"
+        identity = "-INF" if is_max else "0.0"
+        stash = self.k.stash_last and i == len(self.k.reductions) - 1 and not self.looped
+        if not self.looped:
+            body = self.expr(red.body)
+            lines = [f"    {'stash' if stash else acc + '_v'} = {body}"]
+            v = "stash" if stash else f"{acc}_v"
+            return lines + self._combine(acc, v, is_max, identity, "    ")
+        lines = [f"    {acc}_b = tl.full([XBLOCK, RBLOCK], {identity}, tl.float32)"]
+        if is_max:
+            lines.append(f"    {acc}_n = tl.zeros([XBLOCK, RBLOCK], tl.int32)")
+        lines.append(f"    for r0 in range(0, {self.k.inner}, RBLOCK):")
+        lines += self._columns("r0", "        ")
+        lines.append(f"        {acc}_v = {self.expr(red.body)}")
+        if is_max:
+            lines.append(f"        {acc}_b = tl.maximum({acc}_b, tl.where(mask, {acc}_v, -INF))")
+            lines.append(f"        {acc}_n = {acc}_n | (mask & ({acc}_v != {acc}_v)).to(tl.int32)")
+            return lines + [f"    {acc} = tl.max({acc}_b, axis=1, keep_dims=True)",
+                            f"    {acc} = tl.where(tl.max({acc}_n, axis=1, keep_dims=True) > 0, NAN, {acc})"]
+        lines.append(f"        {acc}_b = {acc}_b + tl.where(mask, {acc}_v, 0.0)")
+        return lines + [f"    {acc} = tl.sum({acc}_b, axis=1, keep_dims=True)"]
+
+    @staticmethod
+    def _combine(acc, v, is_max, identity, pad) -> list[str]:
+        if not is_max:
+            return [f"{pad}{acc} = tl.sum(tl.where(mask, {v}, 0.0), axis=1, keep_dims=True)"]
+        return [f"{pad}{acc} = tl.max(tl.where(mask, {v}, -INF), axis=1, keep_dims=True)",
+                f"{pad}{acc} = tl.where(tl.max((mask & ({v} != {v})).to(tl.int32), axis=1, keep_dims=True) > 0, "
+                f"NAN, {acc})"]
+
+    def _inner_stores(self, pad: str) -> list[str]:
+        lines = []
+        for param, index, value, in_inner in self.stores():
+            if not in_inner:
+                continue
+            if self.looped and self.k.stash_last:  # no stash across chunks: compute the body again
+                value = substitute(value, Load(STASH, _stash_index(self.k)), self.k.reductions[-1].body)
+            lines.append(f"{pad}tl.store({param} + ({render_index(index, TABLE)}) + o * 0 + r * 0, "
+                         f"{self._cast_out(param, self.expr(value))}, mask=mask)")
+        return lines
+
+    def _cast_out(self, param: str, text: str) -> str:
+        return f"({text}).to({TL[self.types[param]]})"
+
+
+def _stash_index(k: LoopKernel):
+    return Affine.var("r", k.inner)
+
+
+def _variables(index) -> set:
+    out = set()
+    for term, _ in index.terms:
+        out |= {term[1]} if term[0] == "var" else _variables(term[1])
+    return out
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (max(n, 1) - 1).bit_length())
+
+
+def render_program(kernels: list[LoopKernel]) -> str:
+    return PRELUDE + "\n\n" + "\n\n\n".join(_Kernel(k).render() for k in kernels) + "\n"
+
+
+def load(source: str, kernels: list[LoopKernel]):
+    """Write the module into the cache (Triton reads a kernel's source from its
+    file), import it, and wrap each kernel as a launch over its grid."""
+    key = hashlib.sha256(source.encode()).hexdigest()[:24]
+    path = cache_dir() / f"egc_triton_{key}.py"
+    compiled_now = not path.exists() or path.read_text() != source
+    if compiled_now:
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(source)
+        os.replace(tmp, path)
+    spec = importlib.util.spec_from_file_location(f"egc_triton_{key}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # triton resolves the kernels' globals through the module
+    spec.loader.exec_module(module)
+    calls = {}
+    for k in kernels:
+        shape = _Kernel(k)
+        fn, grid = getattr(module, k.name), shape.grid()
+        calls[k.name] = (lambda *tensors, fn=fn, grid=grid, x=shape.xblock, r=shape.rblock, w=shape.warps:
+                         fn[grid](*tensors, XBLOCK=x, RBLOCK=r, num_warps=w))
+    return calls, compiled_now
+
+
+TABLE = Target(name="cuda", device="cuda", render=render_program, load=load, **_FIELDS)
+
+
+def make_target(name: str, device: str) -> Target:
+    """The Triton table for a device; on the CPU, kernels run in Triton's interpreter."""
+    if device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are decorated
+    return replace(TABLE, name=name, device=device)
