@@ -19,6 +19,7 @@ import sys
 from dataclasses import replace
 
 from egraph_compiler.cache import cache_dir
+from egraph_compiler.errors import EgraphCompilerError
 from egraph_compiler.loopir import STASH, Affine, Load, LoopKernel, substitute
 
 from .walker import Target, render_expr, render_index
@@ -246,7 +247,13 @@ TABLE = Target(name="cuda", device="cuda", render=render_program, load=load, **_
 
 
 def make_target(name: str, device: str) -> Target:
-    """The Triton table for a device; on the CPU, kernels run in Triton's interpreter."""
+    """The Triton table for a device; on the CPU, kernels run in Triton's interpreter,
+    which triton switches on (from TRITON_INTERPRET) when it is first imported."""
     if device == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are decorated
+        standard = sys.modules.get("triton.language.standard")
+        if standard is not None and type(standard.max).__name__ != "InterpretedFunction":
+            raise EgraphCompilerError(
+                "target='triton' runs kernels on CPU tensors in Triton's interpreter, and triton was imported "
+                "in this process without it: set TRITON_INTERPRET=1 in the environment before starting Python")
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     return replace(TABLE, name=name, device=device)

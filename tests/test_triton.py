@@ -1,0 +1,74 @@
+"""The Triton renderer, run on CPU tensors under Triton's interpreter
+(`target="triton"`): every kernel kind, the seven workloads at test sizes,
+and half-precision storage."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import egraph_compiler as egc
+from egraph_compiler import workloads
+from egraph_compiler.errors import EgraphCompilerError
+from egraph_compiler.plan import verify_plan
+
+pytest.importorskip("triton")
+
+KERNELS = {
+    "pointwise_2d": (lambda x: torch.relu(x * 2 + 1).exp() - x.sigmoid(), [(37, 70)]),
+    "broadcast": (lambda x, y: x * y[0] + y.t().sum(-1), [(5, 9), (9, 9)]),
+    "softmax_persistent": (lambda x: torch.softmax(x, -1), [(6, 33)]),
+    "softmax_looped": (lambda x: torch.softmax(x, -1) * 2, [(2, 9000)]),
+    "layer_norm_relu": (lambda x, w, b: F.layer_norm(x, (16,), w, b).relu(), [(3, 4, 16), (16,), (16,)]),
+    "rms_norm": (lambda x, w: F.rms_norm(x, (32,), w, 1e-6), [(4, 32), (32,)]),
+    "column_sum": (lambda x: x.sum(0), [(7, 5)]),
+    "transposed_softmax": (lambda x: torch.softmax(x, -1).t(), [(8, 8)]),
+    "scalar_sum": (lambda x: x.sum(), [(3, 4)]),
+    "activations": (lambda x: F.gelu(x) + F.gelu(x, approximate="tanh") + torch.tanh(x) + F.silu(x), [(64,)]),
+    "pow_where": (lambda x: torch.where(x > 0, x.abs().pow(2.5), x ** 3), [(3, 9)]),
+    "bool_out": (lambda x: (x > 0) & (x < 1), [(10,)]),
+    "amax_looped": (lambda x: x.amax(-1), [(3, 9001)]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(KERNELS))
+def test_kernel_kinds_match_eager(name):
+    fn, shapes = KERNELS[name]
+    torch.manual_seed(0)
+    inputs = [torch.randn(s) for s in shapes]
+    compiled = egc.compile(fn, inputs, target="triton")
+    assert any(k.kind == "generated" for k in compiled.plan.kernels), str(compiled.plan)
+    assert "@triton.jit" in compiled.source
+    torch.testing.assert_close(compiled(*inputs), fn(*inputs), atol=1e-5, rtol=1e-5, equal_nan=True)
+
+
+def test_max_propagates_nan():
+    fn = lambda x: x.amax(-1)  # noqa: E731
+    x = torch.tensor([[1.0, float("nan"), 3.0], [2.0, 3.0, 1.0]])
+    torch.testing.assert_close(egc.compile(fn, [x], target="triton")(x), fn(x), equal_nan=True)
+
+
+@pytest.mark.parametrize("name", workloads.NAMES)
+def test_workloads_under_the_interpreter(name):
+    fn, inputs = workloads.make(name, "test")
+    compiled = egc.compile(fn, inputs, target="triton", unsafe=(name == "algebra"))
+    verify_plan(compiled.plan)
+    assert not compiled.plan.fallbacks
+    torch.testing.assert_close(compiled(*inputs), fn(*inputs), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_storage_with_float32_arithmetic(dtype):
+    fn = lambda x, w, b: F.layer_norm(x, (48,), w, b).relu() + torch.softmax(x, -1)  # noqa: E731
+    inputs = [torch.randn(4, 48).to(dtype), torch.randn(48).to(dtype), torch.randn(48).to(dtype)]
+    compiled = egc.compile(fn, inputs, target="triton")
+    assert all(k.kind != "aten" for k in compiled.plan.kernels), str(compiled.plan)
+    got, expected = compiled(*inputs), fn(*inputs)
+    assert got.dtype == dtype
+    # both round the same float32 values to the same dtype, up to one ulp
+    torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)
+
+
+def test_unknown_target_and_wrong_device_are_clear_errors():
+    with pytest.raises(EgraphCompilerError, match="unknown target 'nonsense'"):
+        egc.compile(lambda x: x + 1, [torch.randn(3)], target="nonsense")
+    with pytest.raises(EgraphCompilerError, match="runs on cuda"):
+        egc.compile(lambda x: x + 1, [torch.randn(3)], target="cuda")
