@@ -34,12 +34,49 @@ def declarations() -> str:
         lines.append(f"(constructor {ctor(opdef.name)} ({' '.join(sorts)}) T)")
     lines.append("(datatype TList (TNil) (TCons T TList))")
     lines.append("(constructor Extern (String TList) T)")
-    # per-class facts, fed from the op table's shape rules between iterations (see facts.py)
-    lines.append("(function dim-size (T i64) i64 :merge old)")
-    lines.append("(function rank-of (T) i64 :merge old)")
-    lines.append("(function dtype-of (T) String :merge old)")
-    lines.append("(function shape-key (T) String :merge old)")
-    return "\n".join(lines)
+    return "\n".join(lines + _typing_declarations())
+
+
+TYPING = "typing"  # the ruleset that types e-classes (run by facts.py between iterations)
+
+
+def sig(op: str) -> str:
+    """The constructor of an op's typing signature (lowercase: not an e-node for `size`)."""
+    return "sig-" + op.replace("_", "-")
+
+
+OP_OF_SIG = {sig(name): name for name in ops.OPS}
+
+
+def _typing_declarations() -> list[str]:
+    """Per-class facts live in egglog.  `ty` gives a typed e-class a type id,
+    and a type id's facts (`ty-rank`, `ty-dim`, `ty-dtype`, `ty-shape`) are set
+    once per distinct type.  An e-node whose operands are typed `ask`s for the
+    type of its signature (op, operand type ids, attributes); facts.py answers
+    each distinct signature once (`res`) with the op table's shape rule, and a
+    rule carries the answer to every e-node with that signature.  Typing new
+    e-nodes is so egglog's incremental work, in proportion to what changed."""
+    lines = ["(sort Sig)", "(relation ask (Sig))", "(function res (Sig) i64 :merge old)",
+             "(function ty (T) i64 :merge old)", "(function ty-rank (i64) i64 :merge old)",
+             "(function ty-dim (i64 i64) i64 :merge old)", "(function ty-dtype (i64) String :merge old)",
+             "(function ty-shape (i64) String :merge old)", f"(ruleset {TYPING})"]
+    for opdef in ops.OPS.values():
+        if opdef.name == "extern":  # typed by its call alone
+            sorts, query, key = ["String"], "(= e (Extern x0 l))", ["x0"]
+        else:
+            operands = [f"a{i}" for i in range(opdef.arity)]
+            attrs = [f"x{i}" for i in range(len(opdef.attrs))]
+            sorts = ["i64"] * opdef.arity + [SORTS[kind] for _, kind in opdef.attrs]
+            query = " ".join([f"(= e ({ctor(opdef.name)}{''.join(' ' + v for v in operands + attrs)}))"]
+                             + [f"(= t{i} (ty {a}))" for i, a in enumerate(operands)])
+            key = [f"t{i}" for i in range(opdef.arity)] + attrs
+        signature = f"({sig(opdef.name)}{''.join(' ' + k for k in key)})"
+        lines.append(f"(constructor {sig(opdef.name)} ({' '.join(sorts)}) Sig)")
+        lines.append(f"(rule ({query}) ((ask {signature})) :ruleset {TYPING} "
+                     f":name {json.dumps(HIDDEN + 'ask/' + opdef.name)})")
+        lines.append(f"(rule ({query} (= t (res {signature}))) ((set (ty e) t)) :ruleset {TYPING} "
+                     f":name {json.dumps(HIDDEN + 'ty/' + opdef.name)})")
+    return lines
 
 
 def literal(value, kind: str) -> str:
@@ -63,14 +100,15 @@ def literal(value, kind: str) -> str:
     return text if ("." in text or "e" in text) else text + ".0"
 
 
+def node_names(graph: Graph) -> dict[int, str]:
+    """Node id -> its egglog global, `$nK` in topological order."""
+    return {id(node): f"$n{k}" for k, node in enumerate(topo_order(graph.outputs))}
+
+
 def encode_graph(graph: Graph) -> tuple[str, dict[int, str]]:
     """Each node becomes `(let $nK ...)`; returns the text and node-id -> name."""
-    names: dict[int, str] = {}
-    lines = []
-    for node in topo_order(graph.outputs):
-        name = f"$n{len(names)}"
-        names[id(node)] = name
-        lines.append(f"(let {name} {_node_term(node, names)})")
+    names = node_names(graph)
+    lines = [f"(let {names[id(node)]} {_node_term(node, names)})" for node in topo_order(graph.outputs)]
     for i, out in enumerate(graph.outputs):
         lines.append(f"(let $out{i} {names[id(out)]})")
     return "\n".join(lines), names
@@ -91,12 +129,21 @@ def term_text(op: str, operands: list[str], attrs: dict) -> str:
     return f"({ctor(op)}{''.join(' ' + p for p in parts)})"
 
 
-def facts_text(name: str, shape, dtype: str) -> str:
-    """Shape and dtype facts for one e-class (dims are indexed negatively)."""
-    lines = [f"(set (rank-of {name}) {len(shape)})", f"(set (dtype-of {name}) {json.dumps(dtype)})",
-             f"(set (shape-key {name}) {json.dumps(','.join(map(str, shape)))})"]
-    lines += [f"(set (dim-size {name} {d - len(shape)}) {n})" for d, n in enumerate(shape)]
+def facts_text(type_id: int, shape, dtype: str) -> str:
+    """The facts of one type id (dims are indexed negatively)."""
+    lines = [f"(set (ty-rank {type_id}) {len(shape)})", f"(set (ty-dtype {type_id}) {json.dumps(dtype)})",
+             f"(set (ty-shape {type_id}) {json.dumps(','.join(map(str, shape)))})"]
+    lines += [f"(set (ty-dim {type_id} {d - len(shape)}) {n})" for d, n in enumerate(shape)]
     return "\n".join(lines)
+
+
+def sexp(term) -> str:
+    """A term as read back by EgglogSession.rows, as egglog text again."""
+    if isinstance(term, tuple):
+        return f"({' '.join([term[0]] + [sexp(t) for t in term[1:]])})"
+    if isinstance(term, bool):
+        return literal(term, "bool")
+    return literal(term, {int: "int", float: "float", str: "str"}[type(term)])
 
 
 # ---- rules ----
@@ -140,8 +187,8 @@ def pattern(term) -> str:
         return f"({term.op} {pattern(term.left)} {pattern(term.right)})"
     if isinstance(term, Query):
         if term.kind == "size":
-            return f"(dim-size {pattern(term.var)} {term.dim})"
-        return f"({'rank-of' if term.kind == 'rank' else 'dtype-of'} {pattern(term.var)})"
+            return f"(ty-dim (ty {pattern(term.var)}) {term.dim})"
+        return f"({'ty-rank' if term.kind == 'rank' else 'ty-dtype'} (ty {pattern(term.var)}))"
     if isinstance(term, tuple):  # a list attribute holding variables
         out = "(INil)"
         for item in reversed(term):
@@ -192,7 +239,7 @@ def fuse_commands(rule: FuseRule) -> list[str]:
                     if ops.get(producer).group != "reduction":
                         raise ValueError(f"{rule.location}: same_domain applies to reductions, not {producer}")
                     query = (f"(= {operand} ({ctor(producer)} x dims true)) "
-                             f"(= (shape-key x) (shape-key e))")
+                             f"(= (ty-shape (ty x)) (ty-shape (ty e)))")
                     out.append(f"(rule ((= e {pat}) {query}) ((union e {inlined})) :ruleset {rs} "
                                f":name {json.dumps(rule.name + '#' + producer + str(i) + consumer)})")
             else:

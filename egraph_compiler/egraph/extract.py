@@ -115,10 +115,11 @@ def infer_types(eg: EClassGraph, graph: Graph) -> None:
                 waiting.setdefault(child, []).append((class_id, en))
             if not operands:
                 ready.append((class_id, en))
+    memo: dict[tuple, tuple[tuple, str]] = {}  # one shape rule call per signature, not per e-node
     while ready:
         class_id, en = ready.pop()
         try:
-            shape, dtype = _node_type(en, eg, inputs)
+            shape, dtype = _typed(en, eg, inputs, memo)
         except ops.ShapeError as exc:
             raise UnsoundRuleError(f"a rule produced an ill-shaped {en.op} term: {exc}") from None
         known = eg.shape.get(class_id)
@@ -139,19 +140,30 @@ def _dtype_conflict(a: str, b: str) -> bool:
     return a != b and WEAK not in (a, b)
 
 
-def _node_type(en: ENode, eg: EClassGraph, inputs) -> tuple[tuple, str]:
-    if en.op == "input":
-        node = inputs[en.attrs["name"]]
+def _typed(en: ENode, eg: EClassGraph, inputs, memo) -> tuple[tuple, str]:
+    if not en.children or en.op == "extern":  # typed by attributes alone
+        return node_type(en.op, en.attrs, [], inputs)
+    operands = [(eg.shape[c], eg.dtype[c]) for c in en.children]
+    key = (en.op, *operands, *en.attrs.values())
+    if key not in memo:
+        memo[key] = node_type(en.op, en.attrs, operands, inputs)
+    return memo[key]
+
+
+def node_type(op: str, attrs: dict, operands: list[tuple[tuple, str]], inputs) -> tuple[tuple, str]:
+    """Shape and dtype of an e-node from its operands' (shape, dtype); `inputs`
+    maps input names to the graph's input nodes."""
+    if op == "input":
+        node = inputs[attrs["name"]]
         return node.shape, node.dtype
-    if en.op == "const":
+    if op == "const":
         return (), WEAK
-    if en.op == "extern":
-        call = en.attrs["target"]
+    if op == "extern":
+        call = attrs["target"]
         return call.shape, call.dtype
-    stand_ins = [_StandIn(eg.shape[c], eg.dtype[c]) for c in en.children]
-    opdef = ops.get(en.op)
-    shape = tuple(opdef.shape([s.shape for s in stand_ins], en.attrs))
-    return shape, result_dtype(opdef, stand_ins, en.attrs)
+    stand_ins = [_StandIn(shape, dtype) for shape, dtype in operands]
+    opdef = ops.get(op)
+    return tuple(opdef.shape([s.shape for s in stand_ins], attrs)), result_dtype(opdef, stand_ins, attrs)
 
 
 @dataclass

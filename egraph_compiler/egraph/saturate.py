@@ -5,6 +5,16 @@ together, one iteration at a time, until nothing changes or a limit is hit.
 The limits (iterations, e-nodes, seconds) are shared by the whole run.  The
 run always ends with a stop reason and per-rule match counts; whatever the
 e-graph holds at that point is what extraction chooses from.
+
+egglog cannot stop an iteration midway: 13.2's `run` has no time or match
+limit, and egglog-experimental's back-off scheduler (`run-with`) keeps its
+bans for one `run-schedule` command only and would change which rules fire.
+So each iteration is judged before it starts: `Pace` predicts its seconds
+and e-nodes from the last ones (an exploding rule set grows by a rising
+factor), and the run stops when the iteration, plus loading the grown
+e-graph for extraction afterwards, would not fit in the time left.  An
+iteration that may cross the node limit runs after a checkpoint and is
+undone if it lands more than 10% past the limit.
 """
 from __future__ import annotations
 
@@ -18,6 +28,13 @@ from .encode import HIDDEN, rule_commands, ruleset_name
 
 SATURATED, ITERATION_LIMIT, NODE_LIMIT, TIME_LIMIT = "saturated", "iteration limit", "node limit", "time limit"
 PHASE_LIMIT = "phase iteration limit"  # a phase's own limit: the schedule moves on to the next phase
+NODE_SLACK = 1.1  # an iteration may end this far past node_limit; further, it is undone
+# Seconds per e-node to serialise, load and type the e-graph after saturation
+# (measured 30-50us on a 2-core CPU host): reserved out of time_limit.
+LOAD_SECONDS_PER_ENODE = 40e-6
+SAFETY = 2.0  # predicted seconds are doubled: iteration times jitter, and explosions speed up
+MIN_SECONDS = 0.005  # iteration times below this are timer noise, not a growth trend
+KEPT_CHECKPOINTS = 2  # snapshots of the e-graph held at once (each is a copy)
 
 
 @dataclass
@@ -36,11 +53,12 @@ class Report:
     matches: Counter = field(default_factory=Counter)  # rule name -> matches
     # (groups, stop reason, iterations, e-nodes before, e-nodes after, seconds), one per phase
     phases: list[tuple[str, str, int, int, int, float]] = field(default_factory=list)
+    note: str = ""  # how a limit was judged, when it stopped the run before an iteration
 
     def __str__(self) -> str:
         fired = ", ".join(f"{name} x{n}" for name, n in sorted(self.matches.items()) if n) or "none"
         lines = [f"saturation: {self.stop_reason} after {self.iterations} iteration(s), "
-                 f"{self.enodes} e-nodes, {self.seconds:.3f}s"]
+                 f"{self.enodes} e-nodes, {self.seconds:.3f}s" + (f" ({self.note})" if self.note else "")]
         for groups, reason, count, before, after, seconds in self.phases:
             lines.append(f"  phase [{groups}]: {reason} after {count} iteration(s), "
                          f"e-nodes {before} -> {after}, {seconds:.3f}s")
@@ -57,19 +75,20 @@ def install_rules(session: EgglogSession, rules: list[Rule]) -> None:
 def saturate(session: EgglogSession, schedule: list[tuple[list[str], int | None]], limits: Limits,
              feeder=None) -> Report:
     """Run the schedule.  `feeder` (a FactFeeder), when rules have shape
-    conditions, gives new e-classes their facts after each iteration."""
+    conditions, types new e-classes after each iteration."""
     report = Report()
     start = time.perf_counter()
     if feeder is not None:
         feeder.feed()
+    pace = Pace(start, session.size())
     for number, (groups, phase_limit) in enumerate(schedule):
         if not groups:
             continue
         phase = f"phase{number}"
         session.run(f"(unstable-combined-ruleset {phase} {' '.join(ruleset_name(g) for g in groups)})")
-        before, phase_start = session.size(), time.perf_counter()
-        reason, count = _run_phase(session, phase, limits, report, start, feeder, phase_limit)
-        report.phases.append((", ".join(groups), reason, count, before, session.size(),
+        before, phase_start = pace.size, time.perf_counter()
+        reason, count = _run_phase(session, phase, limits, report, pace, feeder, phase_limit)
+        report.phases.append((", ".join(groups), reason, count, before, pace.size,
                               time.perf_counter() - phase_start))
         if reason not in (SATURATED, PHASE_LIMIT):
             report.stop_reason = reason
@@ -79,23 +98,117 @@ def saturate(session: EgglogSession, schedule: list[tuple[list[str], int | None]
     return report
 
 
-def _run_phase(session, phase, limits, report, start, feeder, phase_limit) -> tuple[str, int]:
+def _run_phase(session, phase, limits, report, pace, feeder, phase_limit) -> tuple[str, int]:
     count = 0
     while True:
         if phase_limit is not None and count >= phase_limit:
             return PHASE_LIMIT, count
         if report.iterations >= limits.iter_limit:
             return ITERATION_LIMIT, count
-        if time.perf_counter() - start >= limits.time_limit:
-            return TIME_LIMIT, count
-        result = session.run_iteration(phase)
-        report.iterations += 1
+        stop = pace.stop_before(limits, report)
+        if stop:
+            return stop, count
+        result, size = _iterate(session, phase, limits, report, pace)
+        if result is None:
+            return NODE_LIMIT, count
         count += 1
-        for name, n in result.matches.items():
-            if not name.startswith(HIDDEN):
-                report.matches[name.split("#")[0].removesuffix(".reverse")] += n
+        if size >= limits.node_limit:  # stopping: the new classes need no facts
+            pace.record(size)
+            return _past_node_limit(pace, limits), count
         new_facts = feeder.feed() if feeder is not None and result.updated else 0
+        pace.record(size)
         if not result.updated and not new_facts:
             return SATURATED, count
-        if session.size() >= limits.node_limit:
-            return NODE_LIMIT, count
+
+
+def _iterate(session, phase, limits, report, pace):
+    """One iteration; returns its result (None if it was undone for ending
+    too far past the node limit) and the e-nodes after it."""
+    guarded = pace.may_cross(limits.node_limit)
+    if guarded:
+        session.checkpoint()
+    pace.begin()
+    result = session.run_iteration(phase)
+    size = session.size()
+    if guarded and size > limits.node_limit * NODE_SLACK:
+        session.rollback()
+        report.note = f"the next iteration would have grown the e-graph to {size} e-nodes and was undone"
+        return None, pace.size
+    pace.kept(guarded)
+    report.iterations += 1
+    for name, n in result.matches.items():
+        if not name.startswith(HIDDEN):
+            report.matches[name.split("#")[0].removesuffix(".reverse")] += n
+    return result, size
+
+
+def _past_node_limit(pace: Pace, limits: Limits) -> str:
+    if pace.size <= limits.node_limit * NODE_SLACK:
+        return NODE_LIMIT
+    return f"{NODE_LIMIT} (one iteration jumped past it: {pace.sizes[-2]} -> {pace.size} e-nodes)"
+
+
+class Pace:
+    """The run's clock and growth.  Predicts the next iteration (rule matching
+    plus typing) from the last ones: its seconds grow by the last factor of
+    seconds or e-nodes, whichever is larger, times SAFETY; e-nodes by the
+    last factor times its rise over the factor before (an exploding rule
+    set, such as associativity with distributivity, grows faster each time)."""
+
+    def __init__(self, start: float, size: int):
+        self.start, self.mark = start, start
+        self.sizes, self.costs = [max(size, 1)], []
+        self.checkpoints = 0
+
+    @property
+    def size(self) -> int:
+        return self.sizes[-1]
+
+    def begin(self) -> None:
+        self.mark = time.perf_counter()
+
+    def record(self, size: int) -> None:
+        self.costs.append(max(time.perf_counter() - self.mark, MIN_SECONDS))
+        self.sizes.append(max(size, 1))
+
+    def kept(self, guarded: bool) -> None:
+        self.checkpoints += guarded
+
+    def next_size(self) -> float:
+        return self.size * _factor(self.sizes, default=2.0)
+
+    def next_seconds(self) -> float:
+        if not self.costs:
+            return 0.0  # nothing to go by: the first iteration always runs
+        return self.costs[-1] * max(_factor(self.costs[-2:], 1.0), _factor(self.sizes[-2:], 1.0)) * SAFETY
+
+    def may_cross(self, node_limit: int) -> bool:
+        """Whether the next iteration may end past the node limit (a checkpoint
+        first lets it be undone); at most KEPT_CHECKPOINTS are held."""
+        return self.checkpoints < KEPT_CHECKPOINTS and 2 * self.next_size() > node_limit * NODE_SLACK
+
+    def stop_before(self, limits: Limits, report: Report) -> str | None:
+        """The stop reason if the next iteration should not start."""
+        if self.size >= limits.node_limit:
+            return NODE_LIMIT
+        left = limits.time_limit - (time.perf_counter() - self.start)
+        if left <= 0:
+            return TIME_LIMIT
+        seconds, load = self.next_seconds(), self.next_size() * LOAD_SECONDS_PER_ENODE
+        if seconds + load > left:
+            report.note = (f"the next iteration was predicted to take {seconds:.2f}s and loading its e-graph "
+                           f"{load:.2f}s, with {left:.2f}s left")
+            return TIME_LIMIT
+        return None
+
+
+def _factor(series: list[float], default: float) -> float:
+    """The growth factor of a series' next step: the last ratio, times its
+    rise over the ratio before (at least 1)."""
+    if len(series) < 2:
+        return default
+    last = series[-1] / series[-2]
+    if len(series) < 3:
+        return max(last, 1.0)
+    rise = last / (series[-2] / series[-3])
+    return max(last * max(rise, 1.0), 1.0)
