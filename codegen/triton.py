@@ -24,7 +24,7 @@ from egraph_compiler.loopir import STASH, Affine, Load, LoopKernel, substitute
 
 from .walker import Target, render_expr, render_index
 
-PERSISTENT_MAX = 8192  # longest row kept in registers; longer rows loop over chunks
+PERSISTENT_MAX = 32768  # longest row kept in registers (87-91% of copy bandwidth at 16k on an H200)
 LOOP_BLOCK = 2048
 POINTWISE_BLOCK = 1024  # elements per program of a pointwise kernel
 TL = {"float32": "tl.float32", "float16": "tl.float16", "bfloat16": "tl.bfloat16", "bool": "tl.int1"}
@@ -48,8 +48,7 @@ SCALAR_OPS = {
 PRELUDE = '''import triton
 import triton.language as tl
 
-INF = tl.constexpr(float("inf"))
-NAN = tl.constexpr(float("nan"))
+INF = tl.constexpr(float("inf"))  # (no NaN global: triton checks globals for change with ==)
 
 
 @triton.jit
@@ -64,14 +63,14 @@ def _egc_pow(a, b):
     whole = b == tl.floor(b)
     odd = whole & (tl.abs(b - 2.0 * tl.floor(b * 0.5)) == 1.0)
     m = tl.where((a < 0) & odd, -m, m)
-    m = tl.where((a < 0) & ~whole, NAN, m)
+    m = tl.where((a < 0) & ~whole, INF - INF, m)
     return tl.where(a == 0, tl.where(b > 0, 0.0, tl.where(b == 0, 1.0, INF)), m)
 '''
 
 
 def _const(value: float) -> str:
     if value != value:
-        return "NAN"
+        return "(INF - INF)"
     if value in (float("inf"), float("-inf")):
         return "INF" if value > 0 else "(-INF)"
     return f"({float(value)!r})"
@@ -174,7 +173,7 @@ class _Kernel:
             lines.append(f"        {acc}_b = tl.maximum({acc}_b, tl.where(mask, {acc}_v, -INF))")
             lines.append(f"        {acc}_n = {acc}_n | (mask & ({acc}_v != {acc}_v)).to(tl.int32)")
             return lines + [f"    {acc} = tl.max({acc}_b, axis=1, keep_dims=True)",
-                            f"    {acc} = tl.where(tl.max({acc}_n, axis=1, keep_dims=True) > 0, NAN, {acc})"]
+                            f"    {acc} = tl.where(tl.max({acc}_n, axis=1, keep_dims=True) > 0, INF - INF, {acc})"]
         lines.append(f"        {acc}_b = {acc}_b + tl.where(mask, {acc}_v, 0.0)")
         return lines + [f"    {acc} = tl.sum({acc}_b, axis=1, keep_dims=True)"]
 
@@ -184,7 +183,7 @@ class _Kernel:
             return [f"{pad}{acc} = tl.sum(tl.where(mask, {v}, 0.0), axis=1, keep_dims=True)"]
         return [f"{pad}{acc} = tl.max(tl.where(mask, {v}, -INF), axis=1, keep_dims=True)",
                 f"{pad}{acc} = tl.where(tl.max((mask & ({v} != {v})).to(tl.int32), axis=1, keep_dims=True) > 0, "
-                f"NAN, {acc})"]
+                f"INF - INF, {acc})"]
 
     def _inner_stores(self, pad: str) -> list[str]:
         lines = []

@@ -54,7 +54,7 @@ class CompiledFunction:
         return self._fn(*args)
 
 
-def compile(fn, example_inputs, *, target="cpu", rules=(), disable=(), unsafe=False,
+def compile(fn, example_inputs, *, target=None, rules=(), disable=(), unsafe=False,
             iter_limit=30, node_limit=50_000, time_limit=10.0, strict=False, extraction="greedy",
             ilp_time_limit=5.0, profile=None, dot=False, trust_rules=False) -> CompiledFunction:
     """Compile a function or nn.Module for inputs shaped like `example_inputs`.

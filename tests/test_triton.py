@@ -16,7 +16,7 @@ KERNELS = {
     "pointwise_2d": (lambda x: torch.relu(x * 2 + 1).exp() - x.sigmoid(), [(37, 70)]),
     "broadcast": (lambda x, y: x * y[0] + y.t().sum(-1), [(5, 9), (9, 9)]),
     "softmax_persistent": (lambda x: torch.softmax(x, -1), [(6, 33)]),
-    "softmax_looped": (lambda x: torch.softmax(x, -1) * 2, [(2, 9000)]),
+    "softmax_looped": (lambda x: torch.softmax(x, -1) * 2, [(2, 33000)]),
     "layer_norm_relu": (lambda x, w, b: F.layer_norm(x, (16,), w, b).relu(), [(3, 4, 16), (16,), (16,)]),
     "rms_norm": (lambda x, w: F.rms_norm(x, (32,), w, 1e-6), [(4, 32), (32,)]),
     "column_sum": (lambda x: x.sum(0), [(7, 5)]),
@@ -25,7 +25,7 @@ KERNELS = {
     "activations": (lambda x: F.gelu(x) + F.gelu(x, approximate="tanh") + torch.tanh(x) + F.silu(x), [(64,)]),
     "pow_where": (lambda x: torch.where(x > 0, x.abs().pow(2.5), x ** 3), [(3, 9)]),
     "bool_out": (lambda x: (x > 0) & (x < 1), [(10,)]),
-    "amax_looped": (lambda x: x.amax(-1), [(3, 9001)]),
+    "amax_looped": (lambda x: x.amax(-1), [(2, 33001)]),
 }
 
 
