@@ -286,7 +286,8 @@ class _Lowering:
             return self.operand(node.args[0], full)
         key = (id(node), tuple(str(i) for i in row))
         if key not in self._accs:
-            reduced = ([Affine.var(f"red{len(self.reductions)}_{d}", src[d]) for d in dims] if self.probing
+            reduced = ([Affine.var(f"red{len(self._accs)}_{len(self.found)}_{d}", src[d]) for d in dims]
+                       if self.probing
                        else _decompose("r", [src[d] for d in dims]))
             for d, i in zip(dims, reduced):
                 full[d] = i
@@ -294,9 +295,9 @@ class _Lowering:
                 self.found.append((node, set().union(*(_variables(i) for i in row)), count))
             elif any("r" in _variables(i) for i in row):
                 raise CodegenError(f"{node.op}: row position varies along the inner loop (an illegal fusion)")
+            body = self.operand(node.args[0], full)  # nested reductions come first
             acc = Acc(f"acc{len(self.reductions)}")
-            self.reductions.append(Reduction(acc.name, "max" if node.op == "amax" else "sum",
-                                             self.operand(node.args[0], full)))
+            self.reductions.append(Reduction(acc.name, "max" if node.op == "amax" else "sum", body))
             self._accs[key] = acc
         acc = self._accs[key]
         return Call("mul", (acc, Const(1.0 / count))) if node.op == "mean" else acc
@@ -334,6 +335,8 @@ def _view_index(node: Node, index):
         out[d] = index[d].scale(a["step"]) + Affine.of(a["start"])
         return out
     if node.op == "reshape":
+        if 0 in src:  # an empty tensor: nothing is ever read
+            return [Affine() for _ in src]
         flat = _Lowering.linear(index, node.shape)
         out, stride = [None] * r, 1
         for d in range(r - 1, -1, -1):

@@ -56,8 +56,8 @@ class Executable:
                 outs = [torch.empty(n.shape, dtype=torch_dtype(n.dtype), device=self.target.device) for n in node]
                 fn(*[env[id(i)] for i in inputs], *outs)
                 env.update((id(n), o) for n, o in zip(node, outs))
-            elif kind != "done":
-                env[id(node)] = self._run_torch(node, env)
+            elif kind != "done":  # generated kernels index buffers as contiguous
+                env[id(node)] = self._run_torch(node, env).contiguous()
             for dead in self._release[step]:  # last reader done: the allocator can reuse it
                 del env[dead]
         results = tuple(self._result(o, env) for o in self.graph.outputs)

@@ -237,3 +237,29 @@ def test_extern_with_tensor_keyword_arguments():
         compiled = egc.compile(fn, [q, k, v, m])
     same(compiled, fn, q, k, v, m)
     assert any("does not model" in f for f in compiled.plan.fallbacks)
+
+
+# ---- found by the random-program soak ----
+
+def test_library_result_with_strides_feeds_a_generated_kernel():
+    def fn(x):
+        q = torch.tanh(x).unflatten(-1, (2, 2)).transpose(1, 2)
+        return torch.tanh(F.scaled_dot_product_attention(q, q, q))
+    x = torch.rand((2, 4, 4)) * 4 - 2
+    same(egc.compile(fn, [x]), fn, x)
+
+
+def test_nested_reductions_get_distinct_accumulators():
+    def fn(x):
+        t = (F.rms_norm(x, (3, 16), x, eps=1e-5) + x) * -1.5
+        return t.sum((-1, 0), keepdim=True), t * t - t
+    x = torch.rand((3, 16)) * 4 - 2
+    compiled = egc.compile(fn, [x])
+    for got, want in zip(compiled(x), fn(x)):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_reshape_of_an_empty_slice():
+    fn = lambda x: x.transpose(1, 3).float()[:, :, :, 1:1:3].reshape(-1)  # noqa: E731
+    x = torch.rand((1, 2, 5, 6)) > 0.5
+    same(egc.compile(fn, [x]), fn, x)
