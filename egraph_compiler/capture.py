@@ -163,8 +163,8 @@ def _convert(fx_node, env, where) -> object:
         reason = "an argument or form the op table does not model"
         try:
             result = converter(*args, **kwargs)
-        except (ops.ShapeError, TypeError, ValueError, KeyError):
-            result = None  # a form of the op we do not model: run it through ATen
+        except (ops.ShapeError, TypeError, ValueError, KeyError, ArithmeticError):
+            result = None  # a form of the op we do not model (sdpa over size-0 heads...): run it through ATen
     if isinstance(result, Node):
         result = _as_torch_types(result, fx_node.meta.get("val"))
         reason = "torch's result type differs from the op table's"

@@ -300,7 +300,8 @@ class _Lowering:
             self.reductions.append(Reduction(acc.name, "max" if node.op == "amax" else "sum", body))
             self._accs[key] = acc
         acc = self._accs[key]
-        return Call("mul", (acc, Const(1.0 / count))) if node.op == "mean" else acc
+        # a true division, as torch's: `sum * (1/n)` rounds, and a constant row is then not centred exactly
+        return Call("div", (acc, Const(float(count)))) if node.op == "mean" else acc
 
 
 def _variables(index: Affine) -> set:

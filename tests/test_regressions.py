@@ -263,3 +263,20 @@ def test_reshape_of_an_empty_slice():
     fn = lambda x: x.transpose(1, 3).float()[:, :, :, 1:1:3].reshape(-1)  # noqa: E731
     x = torch.rand((1, 2, 5, 6)) > 0.5
     same(egc.compile(fn, [x]), fn, x)
+
+
+def test_layer_norm_of_a_constant_row_is_centred_exactly():
+    def fn(x):
+        t = F.layer_norm(torch.where(x == 0.5, x, -1.0).transpose(1, 2).flatten(2), (12,), eps=0.1) + 1.5
+        return F.layer_norm(t, (5, 12), eps=1e-6)
+    x = torch.rand((2, 2, 5, 6)) * 4 - 2
+    same(egc.compile(fn, [x]), fn, x)
+
+
+def test_attention_over_empty_heads_runs_through_aten():
+    fn = lambda q: F.scaled_dot_product_attention(q, q, q)  # noqa: E731
+    q = torch.randn(1, 2, 3, 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        compiled = egc.compile(fn, [q])
+    same(compiled, fn, q)
