@@ -40,7 +40,13 @@ def expand_row(node: Node) -> Node:
     dims = tuple(range(-node.attr("ndim"), 0))
     eps = const(node.attr("eps"))
     if node.op == "layer_norm":
-        centred = _inl("sub", x, _inl("mean", x, dims=dims, keepdim=True))
+        # the mean is taken around the row's first element, so a constant row centres to exactly 0
+        # (torch's Welford moments do; `x - sum(x)/n` rounds, and 1/sqrt(var + eps) then magnifies it)
+        first = x
+        for d in dims:
+            first = Node.make("slice", (first,), {"dim": d, "start": 0, "end": 1, "step": 1})
+        shifted = _inl("sub", x, first)
+        centred = _inl("sub", shifted, _inl("mean", shifted, dims=dims, keepdim=True))
         var = _inl("mean", _inl("mul", centred, centred), dims=dims, keepdim=True)
         normed = _inl("mul", centred, _inl("rsqrt", _inl("add", var, eps)))
         return Node.make("add", (_inl("mul", normed, node.args[1]), node.args[2]))

@@ -300,3 +300,17 @@ def test_row_kernels_with_vector_math_on_avx512_machines():
     for fn, x in ((norm_of_silu, torch.rand((2, 8, 1), generator=g) * 4 - 2),
                   (rms_of_gelu, torch.rand((7,), generator=g) * 4 - 2)):
         same(egc.compile(fn, [x]), fn, x, atol=1e-4, rtol=1e-4)
+
+
+def test_layer_norm_of_nearly_constant_rows_of_large_magnitude():
+    def fn(x0, x1):
+        t4 = x0.select(1, 4).transpose(1, 0)
+        t9 = torch.where(t4 >= 3, t4, -0.25 - torch.amax(x1, dim=0, keepdim=True))
+        t15 = torch.erf(t9.clamp(min=2.0)) * (x1 @ x1) ** 3
+        return F.gelu(F.layer_norm(t15, (3,)), approximate="tanh")
+    g = torch.Generator().manual_seed(34172)
+    x0, x1 = torch.randint(-5, 6, (3, 5, 8), generator=g), torch.rand((8,), generator=g) * 4 - 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        compiled = egc.compile(fn, [x0, x1])
+    same(compiled, fn, x0, x1, atol=1e-4, rtol=1e-4)
