@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import egraph_compiler as egc
+from benchmarks.run import time_block
 
 PROGRAMS = {
     "softmax": lambda x, w, b: torch.softmax(x, -1),
@@ -32,17 +33,7 @@ def timed(fn, args, reps: int, inner: int = 10) -> float:
     """Median seconds per call over `reps` blocks of `inner` calls."""
     for _ in range(3):
         fn(*args)
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record()
-        for _ in range(inner):
-            fn(*args)
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / inner)
-    return statistics.median(times)
+    return statistics.median(time_block(fn, args, inner, "cuda") for _ in range(reps))
 
 
 def main(argv=None) -> int:
