@@ -24,7 +24,7 @@ app = typer.Typer(help="egraph-compiler: a rule-driven optimising compiler for P
 rules_app = typer.Typer(help="Check, list and verify rules.", no_args_is_help=True)
 app.add_typer(rules_app, name="rules")
 
-LEVELS = ("aten", "graph", "egraph", "plan", "loops", "source", "all")
+LEVELS = ("aten", "graph", "egraph", "plan", "loops", "source", "wrapper", "all")
 SIZES = ("test", "cpu", "gpu")
 _debug = False  # set by the --debug option of the app's callback
 
@@ -136,7 +136,7 @@ def _guarded(path: Path, what: str, action):
 def explain(target: str = typer.Argument(..., help="workload name or PATH.py with program/example_inputs()"),
             size: str = typer.Option("test", help="workload size: test, cpu or gpu"),
             unsafe: bool = typer.Option(False, help="enable unsafe rules"),
-            level: str = typer.Option("all", help="one of aten, graph, egraph, plan, loops, source, all"),
+            level: str = typer.Option("all", help="one of aten, graph, egraph, plan, loops, source, wrapper, all"),
             dot: Path = typer.Option(None, help="also write the saturated e-graph here (Graphviz DOT)")):
     """Print each IR level of a compiled program."""
     from .api import explain as explain_program

@@ -60,12 +60,13 @@ class Levels:
     plan: str = ""
     loops: str = ""
     source: str = ""
+    wrapper: str = ""  # the straight-line Python each call runs
     dot: str = ""  # the saturated e-graph (Graphviz), when asked for
     timings: dict = field(default_factory=dict)
 
     def __str__(self) -> str:
         parts = [("ATen graph", self.aten), ("Graph IR", self.graph), ("e-graph", self.egraph),
-                 ("plan", self.plan), ("loop IR", self.loops), ("source", self.source)]
+                 ("plan", self.plan), ("loop IR", self.loops), ("source", self.source), ("wrapper", self.wrapper)]
         return "\n\n".join(f"=== {title} ===\n{text}" for title, text in parts)
 
 
@@ -93,6 +94,7 @@ def run_pipeline(fn, example_inputs, options: Options):
     levels.source = target.render(loops)
     clock = time.perf_counter()
     executable = Executable(plan, levels.source, loops, buffer_names, target)
+    levels.wrapper = executable.wrapper.source
     levels.timings["load"] = time.perf_counter() - clock
     if os.environ.get(DEBUG_ENV):
         print(levels, file=sys.stderr)

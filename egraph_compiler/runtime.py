@@ -7,6 +7,9 @@ torch on views of the same buffers.  Buffers live on the target's device.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from functools import partial
+
 import torch
 from torch.utils import _pytree as pytree
 
@@ -31,38 +34,26 @@ class Executable:
         if loops:
             self._calls, self.compiled_now = target.load(source, loops)
         nodes = {name: node for node in _all_nodes(plan) for name in [buffer_names.get(id(node))] if name}
-        loops_by_name = {lk.name: lk for lk in loops}
-        self._steps = [self._step(k, loops_by_name, nodes) for k in plan.kernels]
         release = release_schedule(plan)
         verify_plan(plan, release)
-        self._release = [[id(n) for n in dead] for dead in release]
-
-    def _step(self, kernel, loops_by_name, nodes):
-        if kernel.kind != "generated":
-            return (kernel.kind, kernel.output, None, None)
-        if kernel.loop_nest:  # computed by its sibling's loop nest
-            return ("done", kernel.output, None, None)
-        loop = loops_by_name[kernel.name]
-        fn = self._calls[kernel.name]
-        ins = [nodes[p.name] for p in loop.params if p.role == "in"]
-        outs = [nodes[p.name] for p in loop.params if p.role == "out"]
-        return ("generated", outs, ins, fn)
+        self.wrapper = _straight_line(self, {lk.name: lk for lk in loops}, nodes, release)
+        self._run = _exec_wrapper(self.wrapper.source, self.wrapper.names)
 
     @torch.no_grad()  # compiled programs are inference-only: no autograd graph is recorded
     def __call__(self, *args):
-        env = self._bind(args)
-        for step, (kind, node, inputs, fn) in enumerate(self._steps):
-            if kind == "generated":
-                outs = [torch.empty(n.shape, dtype=torch_dtype(n.dtype), device=self.target.device) for n in node]
-                fn(*[env[id(i)] for i in inputs], *outs)
-                env.update((id(n), o) for n, o in zip(node, outs))
-            elif kind != "done":  # generated kernels index buffers as contiguous
-                env[id(node)] = self._run_torch(node, env).contiguous()
-            for dead in self._release[step]:  # last reader done: the allocator can reuse it
-                del env[dead]
+        env = self._run(self._bind(args))
         results = tuple(self._result(o, env) for o in self.graph.outputs)
         self._write_back(args, results)
         return self._structure(results[:self.graph.user_outputs])
+
+    def torch_step(self, kernel):
+        """A library call or ATen fallback as a function of the kernel's inputs."""
+        ids = [id(i) for i in kernel.inputs]
+        node = kernel.output
+
+        def run(*tensors):  # generated kernels index buffers as contiguous
+            return self._run_torch(node, dict(zip(ids, tensors))).contiguous()
+        return run
 
     def _structure(self, results):
         """The user's result structure: dicts, lists, nested tuples, non-tensors passed through."""
@@ -132,6 +123,60 @@ class Executable:
         if view_source(node).op == "input" or not value.is_contiguous():
             return value.clone(memory_format=torch.contiguous_format)  # never alias the caller's tensors
         return value
+
+
+@dataclass
+class Wrapper:
+    """The straight-line Python a compiled program runs per call (as Inductor's
+    wrapper code): one line per kernel launch, allocation and release, no
+    interpretation of the plan.  `source` prints; `names` are its globals."""
+    source: str
+    names: dict = field(default_factory=dict)
+
+
+def _straight_line(executable: Executable, loops_by_name: dict, nodes: dict, release) -> Wrapper:
+    plan, target = executable.plan, executable.target
+    local: dict[int, str] = {}
+    names: dict = {}
+    lines = ["def run(env):"]
+    for i, node in enumerate(plan.graph.inputs):
+        local[id(node)] = f"a{i}"
+        lines.append(f"    a{i} = env[{id(node)}]")
+    for step, kernel in enumerate(plan.kernels):
+        if kernel.kind == "generated" and kernel.loop_nest:
+            pass  # computed by its sibling's loop nest
+        elif kernel.kind == "generated":
+            loop = loops_by_name[kernel.name]
+            ins = [local[id(nodes[p.name])] for p in loop.params if p.role == "in"]
+            outs = []
+            for p in loop.params:
+                if p.role == "out":
+                    node = nodes[p.name]
+                    outs.append(p.name)
+                    local[id(node)] = p.name
+                    names[f"_empty_{p.name}"] = partial(torch.empty, node.shape, dtype=torch_dtype(node.dtype),
+                                                        device=target.device)
+                    lines.append(f"    {p.name} = _empty_{p.name}()")
+            names[f"_{kernel.name}"] = executable._calls[kernel.name]
+            lines.append(f"    _{kernel.name}({', '.join(ins + outs)})  # {kernel.output.op}")
+        else:
+            local[id(kernel.output)] = f"t{step}"
+            names[f"_{kernel.name}"] = executable.torch_step(kernel)
+            args = ", ".join(local[id(i)] for i in kernel.inputs)
+            lines.append(f"    t{step} = _{kernel.name}({args})  # {kernel.kind}: {kernel.output.op}")
+        dead = [local[id(n)] for n in release[step]]
+        if dead:
+            lines.append(f"    del {', '.join(dead)}")
+    released = {id(n) for step in release for n in step}
+    live = [(key, name) for key, name in local.items() if key not in released]
+    lines.append("    return {" + ", ".join(f"{key}: {name}" for key, name in live) + "}")
+    return Wrapper("\n".join(lines), names)
+
+
+def _exec_wrapper(source: str, names: dict):
+    scope = dict(names)
+    exec(compile(source, "<egraph-compiler wrapper>", "exec"), scope)
+    return scope["run"]
 
 
 def _all_nodes(plan: Plan):

@@ -190,3 +190,13 @@ def test_explain_can_keep_the_saturated_egraph_as_dot(tmp_path):
     out = tmp_path / "softmax.dot"
     result = CliRunner().invoke(app, ["explain", "softmax", "--level", "plan", "--dot", str(out)])
     assert result.exit_code == 0 and out.read_text().lstrip().startswith("digraph")
+
+
+def test_each_call_runs_a_straight_line_wrapper():
+    fn, inputs = workloads.make("gpt_block", "test")
+    compiled = egc.compile(fn, inputs)
+    wrapper = compiled.levels.wrapper
+    assert wrapper.startswith("def run(env):") and "for " not in wrapper
+    assert wrapper.count("# library") == sum(k.kind == "library" for k in compiled.plan.kernels)
+    assert "del " in wrapper  # intermediates are released at their last reader
+    torch.testing.assert_close(compiled(*inputs), fn(*inputs), atol=1e-4, rtol=1e-4)
