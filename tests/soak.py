@@ -1,0 +1,269 @@
+"""Soak test: as many random programs as time allows, in parallel processes.
+
+    python -m tests.soak --minutes 5 [--workers 2] [--seed 0] [--out soak_failures.txt]
+                         [--minimize-minutes 3]
+    python -m tests.soak --minimize soak_failures.txt.json [--minimize-minutes 3]
+
+Each worker draws programs from `tests/programs.py`'s generator with a seeded
+`random.Random` (program k of worker w is reproducible from `--seed`), checks
+each with `programs.check` (compile, compare with eager and a float64
+reference) and reports the outcome.  A program that runs longer than
+`--program-timeout` seconds, or kills its worker (a crash in generated code),
+is counted as a crash and the worker replaced.  Every failing program's
+description goes to `--out` (and its choice list to `--out`.json, to replay
+or shrink it later).  With `--minimize-minutes M`, the first program of each
+distinct failure is shrunk for up to M minutes (the same kind of failure must
+persist) and the minimal program written to `--out`.min.txt.
+
+Exit status: 1 if any program was wrong, crashed, raised an
+EgraphCompilerError or could not be generated; 0 otherwise.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import multiprocessing as mp
+import os
+import queue as queue_mod
+import random
+import sys
+import tempfile
+import time
+
+MODE_WEIGHTS = [("default", 7), ("zero", 1), ("int", 1), ("multi", 1)]
+
+
+def _setup_env(cache_dir: str):
+    os.environ.setdefault("EGC_CACHE_DIR", cache_dir)
+    os.environ.setdefault("EGC_PROFILE", "cpu-default")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def _pick_mode(rng: random.Random) -> str:
+    total = sum(w for _, w in MODE_WEIGHTS)
+    x = rng.uniform(0, total)
+    for mode, w in MODE_WEIGHTS:
+        x -= w
+        if x <= 0:
+            return mode
+    return "default"
+
+
+def _worker(wid: int, seed: int, deadline: float, out_q, first_index: int = 0):
+    import torch
+
+    from tests import programs as P
+    torch.set_num_threads(1)
+    i = first_index
+    while time.time() < deadline:
+        key = f"{seed}:{wid}:{i}"
+        rng = random.Random(key)
+        mode = _pick_mode(rng)
+        drawer = P.ChoiceDrawer(rng=rng)
+        try:
+            program = P.generate(drawer, mode)
+        except Exception as exc:  # noqa: BLE001 - a generator bug
+            out_q.put(("done", wid, key, mode, drawer.record, "", "invalid", type(exc).__name__,
+                       f"generator raised {P._short_exc(exc)}", f"invalid:{type(exc).__name__}"))
+            i += 1
+            continue
+        description = P.describe(program)
+        out_q.put(("start", wid, key, mode, drawer.record, description))
+        outcome = P.check(program)
+        out_q.put(("done", wid, key, mode, drawer.record, description, outcome.kind, outcome.error_type,
+                   outcome.detail, outcome.signature()))
+        i += 1
+    out_q.put(("exit", wid))
+
+
+class Soak:
+    def __init__(self, args):
+        self.args = args
+        self.counts = collections.Counter()
+        self.errors = collections.Counter()
+        self.ill = collections.Counter()
+        self.failures: list[dict] = []
+        self.ctx = mp.get_context("spawn")
+        self.q = self.ctx.Queue()
+        self.procs: dict[int, mp.Process] = {}
+        self.inflight: dict[int, tuple] = {}  # wid -> (start time, key, mode, choices, description)
+        self.next_wid = 0
+
+    def start_worker(self, deadline):
+        wid = self.next_wid
+        self.next_wid += 1
+        p = self.ctx.Process(target=_worker, args=(wid, self.args.seed, deadline, self.q), daemon=True)
+        p.start()
+        self.procs[wid] = p
+
+    def record(self, key, mode, choices, description, kind, error_type, detail, signature):
+        self.counts["checked"] += 1
+        self.counts[kind] += 1
+        if kind == "error":
+            self.errors[error_type] += 1
+        if kind == "ill":
+            self.ill[error_type] += 1
+        if kind in ("wrong", "crash", "error", "invalid"):
+            self.failures.append(dict(key=key, mode=mode, choices=choices, description=description, kind=kind,
+                                      error_type=error_type, detail=detail, signature=signature))
+            print(f"[{self.counts['checked']}] {kind} {error_type} {key}: {detail.splitlines()[0][:160]}", flush=True)
+
+    def run(self):
+        a = self.args
+        deadline = time.time() + a.minutes * 60
+        for _ in range(a.workers):
+            self.start_worker(deadline)
+        while self.procs:
+            try:
+                msg = self.q.get(timeout=1.0)
+            except queue_mod.Empty:
+                msg = None
+            if msg is not None:
+                if msg[0] == "start":
+                    _, wid, key, mode, choices, description = msg
+                    self.inflight[wid] = (time.time(), key, mode, choices, description)
+                elif msg[0] == "done":
+                    _, wid, key, mode, choices, description, *result = msg
+                    self.inflight.pop(wid, None)
+                    self.record(key, mode, choices, description, *result)
+                elif msg[0] == "exit":
+                    p = self.procs.pop(msg[1], None)
+                    if p is not None:
+                        p.join(timeout=30)
+            now = time.time()
+            for wid, p in list(self.procs.items()):
+                started = self.inflight.get(wid)
+                hung = started is not None and now - started[0] > a.program_timeout
+                died = not p.is_alive() and p.exitcode not in (0, None)
+                if not (hung or died):
+                    continue
+                if hung:
+                    p.kill()
+                p.join(timeout=30)
+                del self.procs[wid]
+                if started is not None:
+                    _, key, mode, choices, description = self.inflight.pop(wid)
+                    why = (f"no result after {a.program_timeout:.0f} s (killed)" if hung
+                           else f"the worker process died (exit code {p.exitcode})")
+                    self.record(key, mode, choices, description, "crash", "Hang" if hung else "WorkerDied",
+                                why, f"crash:{'Hang' if hung else 'WorkerDied'}")
+                if time.time() < deadline:
+                    self.start_worker(deadline)
+
+    def report(self, elapsed):
+        c = self.counts
+        print(f"\nsoak: {c['checked']} programs checked in {elapsed / 60:.1f} min with {self.args.workers} worker(s)")
+        print(f"  ok {c['ok']}, wrong {c['wrong']}, crash {c['crash']}, error {c['error']}, "
+              f"ill-conditioned {c['ill']}, invalid (generator) {c['invalid']}")
+        for t, n in self.errors.most_common():
+            print(f"  error {t}: {n}")
+        for why, n in self.ill.most_common():
+            print(f"  ill-conditioned, {why}: {n}")
+        groups = collections.Counter(f["signature"] for f in self.failures)
+        if groups:
+            print(f"  {len(groups)} distinct failure signature(s):")
+            for sig, n in groups.most_common():
+                print(f"    {n:4d}  {sig}")
+        write_failures(self.args.out, self.failures)
+        if self.failures:
+            print(f"  failing programs written to {self.args.out} (choices in {self.args.out}.json)")
+
+
+def write_failures(path, failures):
+    with open(path, "w") as f:
+        for k, fail in enumerate(failures):
+            f.write(f"### failure {k}: {fail['kind']} {fail['error_type']} (program {fail['key']}, "
+                    f"mode {fail['mode']})\n# {fail['signature']}\n")
+            f.write("# " + fail["detail"].replace("\n", "\n# ") + "\n")
+            f.write(fail["description"] + "\n\n")
+    with open(path + ".json", "w") as f:
+        json.dump(failures, f)
+
+
+def _same_failure(kind, error_type, signature):
+    def still_fails(program):
+        from tests import programs as P
+        outcome = P.check(program)
+        if kind in ("wrong",):
+            return outcome.kind == "wrong"
+        return outcome.kind == kind and outcome.error_type == error_type and outcome.signature() == signature
+    return still_fails
+
+
+def _minimize_one(fail, budget_s, verbose=False):
+    import torch
+
+    from tests import programs as P
+    torch.set_num_threads(1)
+    start = time.time()
+    program, choices = P.shrink(fail["choices"], fail["mode"],
+                                _same_failure(fail["kind"], fail["error_type"], fail["signature"]), budget_s,
+                                log=lambda m: print(f"[{fail['key']}] {m}", flush=True) if verbose else None)
+    outcome = P.check(program)
+    return dict(fail, choices=choices, description=P.describe(program), detail=outcome.detail,
+                min_kind=outcome.kind, seconds=time.time() - start)
+
+
+def minimize(failures, out, minutes, workers, max_wrong=8):
+    """Shrinks the first failure of each signature, and each of the first
+    `max_wrong` wrong results (their signatures say little about the cause)."""
+    firsts = {}
+    for fail in failures:
+        if fail["kind"] == "wrong" and sum(f["kind"] == "wrong" for f in firsts.values()) < max_wrong:
+            firsts[fail["signature"] + " #" + fail["key"]] = fail
+        firsts.setdefault(fail["signature"], fail)
+    if not firsts:
+        return
+    print(f"\nshrinking {len(firsts)} distinct failure(s), up to {minutes} min each, {workers} at a time")
+    ctx = mp.get_context("spawn")
+    with ctx.Pool(workers) as pool:
+        results = pool.starmap(_minimize_one, [(f, minutes * 60) for f in firsts.values()])
+    with open(out + ".min.txt", "w") as f:
+        for k, r in enumerate(results):
+            f.write(f"### minimal failure {k}: {r['kind']} {r['error_type']} (from program {r['key']}, "
+                    f"mode {r['mode']}; shrunk in {r['seconds']:.0f} s; now: {r['min_kind']})\n# {r['signature']}\n")
+            f.write("# " + r["detail"].replace("\n", "\n# ") + "\n")
+            f.write(r["description"] + "\n\n")
+    with open(out + ".min.json", "w") as f:
+        json.dump(results, f)
+    seen = set()
+    for r in results:
+        if r["description"] in seen:
+            continue
+        seen.add(r["description"])
+        print(f"\n--- {r['signature']} ({r['min_kind']} after shrinking)\n{r['description']}\n# {r['detail'][:600]}")
+    print(f"\nminimal programs written to {out}.min.txt")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m tests.soak", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--minutes", type=float, default=5.0)
+    ap.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2)))
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="soak_failures.txt")
+    ap.add_argument("--program-timeout", type=float, default=180.0)
+    ap.add_argument("--minimize-minutes", type=float, default=0.0,
+                    help="after the run, shrink each distinct failure for up to this long")
+    ap.add_argument("--minimize", metavar="JSON", help="shrink the failures saved by an earlier run, then stop")
+    args = ap.parse_args(argv)
+    cache = tempfile.mkdtemp(prefix="egc-soak-cache-")
+    _setup_env(cache)
+    if args.minimize:
+        with open(args.minimize) as f:
+            failures = json.load(f)
+        out = args.minimize.removesuffix(".json")
+        minimize(failures, out, args.minimize_minutes or 3.0, args.workers)
+        return 0
+    soak = Soak(args)
+    t0 = time.time()
+    soak.run()
+    soak.report(time.time() - t0)
+    if args.minimize_minutes > 0:
+        minimize(soak.failures, args.out, args.minimize_minutes, args.workers)
+    c = soak.counts
+    return 1 if c["wrong"] or c["crash"] or c["error"] or c["invalid"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
