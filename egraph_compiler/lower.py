@@ -100,9 +100,11 @@ def illegal_edges(root: Node) -> set[int]:
         _layout(root)
     except IllegalKernel as exc:
         blamed = {id(n) for n in exc.nodes}
-        if id(root) in blamed:
-            raise CodegenError(f"kernel rooted at {root.op} cannot be lowered: its own reductions disagree")
-        return {id(edge) for n in computed_nodes(root) for edge, target in inline_edges(n) if id(target) in blamed}
+        cut = {id(edge) for n in computed_nodes(root) for edge, target in inline_edges(n) if id(target) in blamed}
+        if id(root) in blamed or not cut:
+            raise CodegenError(f"kernel rooted at {root.op} cannot be lowered: its own reductions disagree "
+                               f"(a compiler bug)") from exc
+        return cut
     return set()
 
 
