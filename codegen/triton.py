@@ -237,8 +237,10 @@ def load(source: str, kernels: list[LoopKernel]):
     for k in kernels:
         shape = _Kernel(k)
         fn, grid = getattr(module, k.name), shape.grid()
+        # no fused multiply-add: torch rounds every op, and a contracted `x*x - max(x*x)` is
+        # not 0 (exp of it overflows softmax); see tests/test_regressions.py
         calls[k.name] = (lambda *tensors, fn=fn, grid=grid, x=shape.xblock, r=shape.rblock, w=shape.warps:
-                         fn[grid](*tensors, XBLOCK=x, RBLOCK=r, num_warps=w))
+                         fn[grid](*tensors, XBLOCK=x, RBLOCK=r, num_warps=w, enable_fp_fusion=False))
     return calls, compiled_now
 
 

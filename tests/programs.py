@@ -13,11 +13,22 @@ towards small shapes, float32, the most recent operand and simple ops.
     describe(program) -> runnable Python source of the program and its inputs
     check(program)    -> Outcome: ok / wrong / crash / error / ill / invalid
 
-`check` compiles with `egc.compile(fn, inputs)` and compares the result with
-eager torch (structure, dtypes, shapes) and its values with a float64
-reference (the same program on float inputs cast to float64, evaluated with
-float64 as torch's default dtype), allowing for eager's own float32 error, so
-that ill-conditioned programs are told apart from wrong ones.
+`check` compiles with `egc.compile(fn, inputs)`, calls the result twice and
+compares it with eager torch (structure, dtypes, shapes; integers and bools
+exactly) and its float values with a float64 reference (the same program on
+float inputs cast to float64, float64 as torch's default dtype):
+
+    |compiled - ref| <= 1e-4 + 1e-4 |ref| + 4 max(|eager - ref|, |eager' - ref|)
+
+where eager' is eager on the inputs moved by up to two ulps (twice), so that
+the tolerance grows with how much float32 rounding alone moves the result.  A
+program whose eager float32 result is itself far from float64 (more than
+1e-2 |ref| + 1e-3), or overflows, is "ill" (ill-conditioned: skipped), and so
+is a mismatch in a program with a float comparison within 1e-4 (relative) of
+its threshold in the reference.  Outcomes: ok; wrong (values, structure, a
+modified input, a second call that differs); error (an EgraphCompilerError,
+by type: these programs should all compile); crash (any other exception);
+ill; invalid (a generator bug).
 """
 from __future__ import annotations
 
@@ -36,8 +47,10 @@ import torch.nn.functional as F
 from hypothesis import strategies as st
 from torch.utils import _pytree as pytree
 
-MODES = ("default", "zero", "int", "multi")
-MAX_NUMEL = 4096
+MODES = ("default", "zero", "int", "multi", "long")
+MAX_NUMEL = 4096  # per value; "long" mode (rows longer than a row kernel's stack stash) allows LONG_NUMEL
+LONG_NUMEL = 1 << 17
+_limit = MAX_NUMEL  # the limit of the program being generated
 MAX_RANK = 4
 
 # comparison margin: a float comparison whose operands (in the float64 reference)
@@ -211,8 +224,9 @@ class _Ctx:
         self.steps: list[Step] = []
         self.fallbacks = 0
 
-    def emit(self, expr: str, fallback: Val, cmp=None) -> Val:
-        """Evaluates the step now (eager semantics decide its shape and dtype)."""
+    def emit(self, expr: str, fallback: Val, cmp=None, tentative: bool = False) -> Val | None:
+        """Evaluates the step now (eager semantics decide its shape and dtype).
+        A tentative step that torch rejects is not a generator bug: None."""
         name = f"t{len(self.steps)}"
         try:
             with warnings.catch_warnings():
@@ -221,7 +235,9 @@ class _Ctx:
             ok = isinstance(value, torch.Tensor)
         except Exception as exc:  # noqa: BLE001 - a generator bug; counted, and the step replaced
             ok, value = False, exc
-        if ok and (value.dim() > MAX_RANK or value.numel() > MAX_NUMEL):  # too big: not a bug, just replaced
+        if tentative and not (ok and value.dim() <= MAX_RANK and value.numel() <= _limit):
+            return None
+        if ok and (value.dim() > MAX_RANK or value.numel() > _limit):  # too big: not a bug, just replaced
             expr, cmp = f"{fallback.name}.clone()", None
             value = self.env[fallback.name].clone()
         elif not ok:
@@ -250,7 +266,7 @@ def _broadcasts(a: Val, b: Val) -> bool:
         shape = torch.broadcast_shapes(a.shape, b.shape)
     except RuntimeError:
         return False
-    return len(shape) <= MAX_RANK and math.prod(shape) <= MAX_NUMEL
+    return len(shape) <= MAX_RANK and math.prod(shape) <= _limit
 
 
 def _dim(d: Drawer, rank: int) -> int:
@@ -481,7 +497,10 @@ def _library(c: _Ctx, x: Val):
             x = c.emit(f"{n}.unflatten(-1, (2, {k // 2})).transpose(1, 2)", x)
         q = x
         kk = c.partner(lambda v: v.rank == 4 and v.dtype == q.dtype and v.shape[:2] == q.shape[:2]
-                       and v.shape[-1] == q.shape[-1] and v.shape[-2] > 0) or q
+                       and v.shape[-1] == q.shape[-1] and v.shape[-2] > 0
+                       and math.prod(q.shape[:-1]) * v.shape[-2] <= _limit) or q
+        if math.prod(q.shape[:-1]) * kk.shape[-2] > _limit:  # the scores would be too big
+            return _unary(c, q)
         vv = c.partner(lambda v: v.rank == 4 and v.dtype == q.dtype and v.shape[:2] == q.shape[:2]
                        and v.shape[-2] == kk.shape[-2]) or kk
         extra = c.d.choice(["", ", is_causal=True", ", attn_mask=MASK", ", scale=0.5", ", is_causal=True, scale=0.3"])
@@ -504,7 +523,7 @@ def _library(c: _Ctx, x: Val):
         if v.dtype != x.dtype or v.rank == 0:
             return False
         if x.rank == 1:
-            return v.rank >= 2 and v.shape[-2] == k and math.prod(v.shape) <= MAX_NUMEL
+            return v.rank >= 2 and v.shape[-2] == k and math.prod(v.shape) <= _limit
         if v.rank == 1:
             return v.shape[0] == k
         if v.shape[-2] != k:
@@ -513,14 +532,217 @@ def _library(c: _Ctx, x: Val):
             batch = torch.broadcast_shapes(x.shape[:-2], v.shape[:-2])
         except RuntimeError:
             return False
-        return len(batch) + 2 <= MAX_RANK and math.prod(batch) * x.shape[-2] * v.shape[-1] <= MAX_NUMEL
+        return len(batch) + 2 <= MAX_RANK and math.prod(batch) * x.shape[-2] * v.shape[-1] <= _limit
     y = c.partner(fits) if c.d.flag() or x.rank < 2 else None
     if y is not None:
-        return c.emit(c.d.choice(["{x} @ {y}", "torch.matmul({x}, {y})"]).format(x=n, y=y.name), x)
+        forms = ["{x} @ {y}", "torch.matmul({x}, {y})"]
+        if x.rank == 2 and y.rank == 2:
+            forms.append("torch.mm({x}, {y})")
+            b = c.partner(lambda v: v.dtype == x.dtype and _broadcasts(v, Val("", (x.shape[0], y.shape[1]), x.dtype))
+                          and torch.broadcast_shapes(v.shape, (x.shape[0], y.shape[1])) == (x.shape[0], y.shape[1]))
+            if b is not None:
+                forms.append(f"torch.addmm({b.name}, {{x}}, {{y}})")
+        if x.rank == 3 and y.rank == 3 and x.shape[0] == y.shape[0]:
+            forms.append("torch.bmm({x}, {y})")
+        return c.emit(c.d.choice(forms).format(x=n, y=y.name), x)
     if x.rank == 1:
         return c.emit(f"{n} @ {n}", x)
-    return c.emit(c.d.choice(["{x} @ {x}.transpose(-1, -2)", "{x}.transpose(-1, -2) @ {x}", "{x}.mT @ {x}"])
-                  .format(x=n), x)
+    forms = [f for f, m in [("{x} @ {x}.transpose(-1, -2)", x.shape[-2]), ("{x}.transpose(-1, -2) @ {x}", k),
+                            ("{x}.mT @ {x}", k)] if math.prod(x.shape[:-2]) * m * m <= _limit]
+    if not forms:
+        return _unary(c, x)
+    return c.emit(c.d.choice(forms).format(x=n), x)
+
+
+def _aten(c: _Ctx, x: Val):
+    """Ops outside the vocabulary (ATen fallbacks between generated kernels) and
+    forms capture splits into views (split, chunk, squeeze of every size-1 dim)."""
+    n, r = x.name, x.rank
+    if r == 0:
+        return c.emit(f"torch.sin({n})", x)
+    d = _dim(c.d, r)
+    form = c.d.choice(["cat", "flip", "cumsum", "minimum", "split", "chunk", "squeeze_all", "sin", "reciprocal"])
+    if form == "cat":
+        y = c.partner(lambda v: v.dtype == x.dtype and v.rank == r
+                      and all(a == b for k, (a, b) in enumerate(zip(v.shape, x.shape)) if k != d % r)) or x
+        return c.emit(f"torch.cat(({n}, {y.name}), dim={d})", x)
+    if form == "flip":
+        return c.emit(f"torch.flip({n}, ({d},))", x)
+    if form == "cumsum":
+        return c.emit(f"torch.cumsum({n}, dim={d})", x)
+    if form == "minimum":
+        y = c.partner(lambda v: v.kind == "float" and _broadcasts(x, v)) or x
+        return c.emit(f"torch.minimum({n}, {y.name})", x)
+    if form in ("split", "chunk") and x.shape[d] >= 2:
+        k = c.d.integer(1, x.shape[d] - 1)
+        if form == "split":
+            return c.emit(f"{n}.split({k}, dim={d})[{c.d.choice([0, -1])}]", x)
+        return c.emit(f"{n}.chunk(2, dim={d})[{c.d.choice([0, -1])}]", x)
+    if form == "squeeze_all":
+        return c.emit(f"{n}.squeeze()", x)
+    if form == "reciprocal":
+        return c.emit(f"torch.reciprocal({n}.abs() + 0.5)", x)
+    return c.emit(f"torch.sin({n})", x)
+
+
+_RULES: list = []
+
+
+def library_rules() -> list:
+    """The compiler's rule library (rules with a left side), by name."""
+    if not _RULES:
+        from egraph_compiler.dsl.library import library_rules as rules
+        _RULES.extend(sorted((r for r in rules() if hasattr(r, "lhs")), key=lambda r: r.name))
+    return _RULES
+
+
+RENDER = {  # {k}: a tensor operand's expression; {k!r}: an attribute's value
+    "add": "({0} + {1})", "sub": "({0} - {1})", "mul": "({0} * {1})", "div": "({0} / {1})",
+    "pow": "torch.pow({0}, {1})", "matmul": "({0} @ {1})", "neg": "(-{0})", "where": "torch.where({0}, {1}, {2})",
+    "gt": "({0} > {1})", "ge": "({0} >= {1})", "lt": "({0} < {1})", "le": "({0} <= {1})", "eq": "({0} == {1})",
+    "ne": "({0} != {1})", "silu": "F.silu({0})", "gelu": "F.gelu({0})", "gelu_tanh": "F.gelu({0}, approximate='tanh')",
+    "maximum": "torch.maximum({0}, torch.as_tensor({1}))",
+    "sum": "torch.sum({0}, dim={1!r}, keepdim={2!r})", "mean": "torch.mean({0}, dim={1!r}, keepdim={2!r})",
+    "amax": "torch.amax({0}, dim={1!r}, keepdim={2!r})", "transpose": "{0}.transpose({1!r}, {2!r})",
+    "permute": "{0}.permute({1!r})", "reshape": "{0}.reshape({1!r})", "expand": "{0}.expand({1!r})",
+    "softmax": "torch.softmax({0}, dim={1!r})", "log_softmax": "torch.log_softmax({0}, dim={1!r})",
+    "cast": "{0}.to(torch.{1})", "linear": "F.linear({0}, {1}, {2})",
+    "layer_norm": "F.layer_norm({0}, {0}.shape[-{3!r}:], {1}, {2}, eps={4!r})",
+    "rms_norm": "F.rms_norm({0}, {0}.shape[-{2!r}:], {1}, eps={3!r})",
+    "sdpa": "F.scaled_dot_product_attention({0}, {1}, {2}, scale={3!r}, is_causal={4!r})",
+    "sdpa_mask": "F.scaled_dot_product_attention({0}, {1}, {2}, attn_mask={3}, scale={4!r}, is_causal={5!r})",
+}
+DOMAIN_OPS = {"log", "sqrt", "rsqrt", "pow", "div"}  # patterns with these bind tensors to positive values
+NORM_OPERANDS = {("layer_norm", 1), ("layer_norm", 2), ("rms_norm", 1), ("linear", 2)}  # 1-D, the last dim's size
+
+
+def _float_for(var, conditions, d: Drawer) -> float:
+    """A value of a float attribute meeting the rule's conditions on it (so that the rule can fire)."""
+    lo, hi, eq, ne = -math.inf, math.inf, None, set()
+    for cond in conditions:
+        if getattr(cond.left, "name", None) != var or not hasattr(cond.right[0], "value"):
+            continue
+        v = cond.right[0].value
+        if cond.op in (">", ">="):
+            lo = max(lo, v)
+        elif cond.op in ("<", "<="):
+            hi = min(hi, v)
+        elif cond.op == "==":
+            eq = v
+        elif cond.op == "!=":
+            ne.add(v)
+    if eq is not None:
+        return float(eq)
+    if math.isfinite(lo) and math.isfinite(hi):
+        return (lo + hi) / 2
+    ok = [v for v in CONSTS + [1e-5, 1.0] if lo < v < hi and v not in ne]
+    return d.choice(ok) if ok else (lo + 1.0 if math.isfinite(lo) else hi - 1.0)
+
+
+def _is_tensor(term) -> bool:
+    from egraph_compiler.dsl.terms import Pat
+    return isinstance(term, Pat) or getattr(term, "sort", None) == "tensor"
+
+
+def _render(term, b: dict) -> str:
+    """A rule side (a tensor term) as a torch expression; `b` binds its variables
+    (tensors to value names, attributes to values)."""
+    from egraph_compiler.dsl.terms import Lit, Pat, Var
+    if isinstance(term, Var):
+        return b[term.name]
+    if isinstance(term, Lit):  # a scalar constant
+        v = float(term.value)
+        return f"float('{v}')" if not math.isfinite(v) else repr(v)
+    assert isinstance(term, Pat), term
+    if term.op == "const":
+        return repr(float(_arith(term.args[0], b)))
+    args = [_render(a, b) if _is_tensor(a) else _arith(a, b) for a in term.args]
+    if term.op == "where" and args[0] in b["__cond__"]:
+        args[0] = b["__cond__"][args[0]]
+    if term.op in ("layer_norm", "rms_norm", "linear"):  # 1.0 and 0.0: no weight, no bias
+        args = [None if (op_k in NORM_OPERANDS and a in ("1.0", "0.0")) else a
+                for op_k, a in zip(((term.op, k) for k in range(len(args))), args)]
+        if term.op == "linear" and args[2] is None:
+            return f"F.linear({args[0]}, {args[1]})"
+    return RENDER[term.op].format(*args) if term.op in RENDER else f"torch.{term.op}({', '.join(args)})"
+
+
+def _arith(term, b: dict):
+    from egraph_compiler.dsl.terms import Arith, Lit, Var
+    if isinstance(term, tuple):  # a list of ints, some of them variables
+        return tuple(_arith(t, b) for t in term)
+    if isinstance(term, Var):
+        return b[term.name]
+    if isinstance(term, Lit):
+        return term.value
+    assert isinstance(term, Arith), term
+    left, right = _arith(term.left, b), _arith(term.right, b)
+    return {"+": left + right, "-": left - right, "*": left * right,
+            "/": left / right if right else math.inf}[term.op]
+
+
+def _variables(term, out: dict, under=None):
+    from egraph_compiler.dsl.terms import Arith, Pat, Var
+    if isinstance(term, Var):
+        out.setdefault(term.name, (term.sort, under))
+    elif isinstance(term, Pat):
+        for k, a in enumerate(term.args):
+            _variables(a, out, (term.op, k))
+    elif isinstance(term, Arith):
+        _variables(term.left, out, under)
+        _variables(term.right, out, under)
+    elif isinstance(term, tuple):
+        for t in term:
+            _variables(t, out, under)
+    return out
+
+
+def _rule(c: _Ctx, x: Val):
+    """One side of a rule of the compiler's library, its variables bound to live
+    values: the patterns the rules rewrite, and the forms they rewrite to, far
+    more often than independent random steps would meet them."""
+    from egraph_compiler.dsl.terms import Pat
+    rule = c.d.choice(library_rules())
+    side = rule.lhs if not isinstance(rule.rhs, Pat) or not c.d.flag() else rule.rhs
+    names = _variables(side, {})
+    positive = bool(DOMAIN_OPS & set(re.findall(r"op='(\w+)'", repr(side))))
+    for attempt in ("drawn", "same"):
+        b: dict = {"__cond__": {}}
+        first = None
+        for var, (sort, under) in names.items():
+            if sort == "tensor" and under in NORM_OPERANDS and first is not None:  # a weight or bias
+                w = c.partner(lambda v: v.dtype == x.dtype and v.shape == first.shape[-1:])
+                b[var] = w.name if w is not None else "1.0" if under[1] == 1 and under[0] != "linear" else "0.0"
+            elif sort == "tensor":
+                v = x if attempt == "same" else c.partner(lambda v: v.kind == "float" and v.dtype == x.dtype) or x
+                first = first or v
+                if under == ("where", 0):
+                    b["__cond__"][v.name] = f"({v.name} > 0)"
+                b[var] = v.name
+            elif sort == "float":
+                b[var] = _float_for(var, rule.conditions, c.d)
+            elif sort == "int":
+                b[var] = c.d.choice([-1, -2, 0, 1])
+            elif sort == "bool":
+                b[var] = c.d.flag()
+            elif sort == "ints":
+                b[var] = c.d.choice([(-1,), (1, -1), (-1, 2)])
+            else:
+                b[var] = "float32"
+        if positive:  # log, sqrt, pow and division stay in their domain
+            made: dict = {}
+            for var, (sort, _) in names.items():
+                if sort == "tensor" and b[var] in c.env:
+                    if b[var] not in made:
+                        made[b[var]] = c.emit(f"{b[var]}.abs() + 0.5", x, tentative=True)
+                    b[var] = made[b[var]].name if made[b[var]] is not None else b[var]
+        try:
+            expr = _render(side, b)
+        except Exception:  # noqa: BLE001 - a form this renderer does not know: an ordinary step instead
+            break
+        if c.emit(expr, x, tentative=True) is not None:
+            return
+    _unary(c, x)
 
 
 def _cast(c: _Ctx, x: Val):
@@ -553,7 +775,7 @@ def _nothing(c: _Ctx, x: Val):
 
 KINDS = {
     "float": [_nothing] + [_unary] * 4 + [_binary] * 4 + [_view] * 4 + [_reduce] * 3 + [_row] * 2 + [_library] * 2
-    + [_compare, _where, _mask_mul, _cast],
+    + [_compare, _where, _mask_mul, _cast, _aten] + [_rule] * 4,
     "int": [_nothing] + [_int_arith] * 4 + [_view, _view, _reduce, _reduce, _compare, _compare, _where, _mask_mul]
     + [_cast] * 2,
     "bool": [_nothing, _cast, _cast, _view, _reduce, _where, _where, _compare],
@@ -565,9 +787,14 @@ SHAPES = {"BRC": lambda B, R, C: (B, R, C), "RC": lambda B, R, C: (R, C), "C": l
 
 def generate(d: Drawer, mode: str = "default") -> Program:
     """A random program; every choice comes from `d`."""
-    B = d.choice([2, 1, 3])
-    R = d.choice([8, 4, 1, 5, 3])
-    C = d.choice([R, 8, 6, 16, 1, 7])  # the first: square shapes, where transposes keep shapes
+    global _limit
+    _limit = LONG_NUMEL if mode == "long" else MAX_NUMEL
+    if mode == "long":  # rows longer than a row kernel's stack stash (16384 floats)
+        B, R, C = d.choice([1, 2]), d.choice([2, 3, 1]), d.choice([16400, 16384, 20001])
+    else:
+        B = d.choice([2, 1, 3])
+        R = d.choice([8, 4, 1, 5, 3, 12])
+        C = d.choice([R, 8, 6, 16, 1, 7, 33])  # the first: square shapes, where transposes keep shapes
     if mode == "zero":
         which = d.integer(0, 2)
         B, R, C = [0 if i == which else v for i, v in enumerate((B, R, C))]
@@ -581,7 +808,8 @@ def generate(d: Drawer, mode: str = "default") -> Program:
             dtype = d.choice(["float32"] * 7 + ["float64"])
         else:
             dtype = d.choice(["float32"] * 6 + ["float64", "int64", "bool"])
-        inputs.append((f"x{i}", SHAPES[family](B, R, C), dtype))
+        shape = SHAPES[family](B, R, C)
+        inputs.append((f"x{i}", shape if math.prod(shape) <= _limit else (R, C), dtype))
     seed = d.integer(0, 2 ** 16)
     env = dict(zip([n for n, _, _ in inputs], make_inputs(inputs, seed)))
     ctx = _Ctx(d, mode, (B, R, C, 2), env)
@@ -691,8 +919,8 @@ def _jitter(t, gen, ulps: float = 2.0):
 def noisy_runs(p: Program, n: int = 2) -> list:
     """Eager, with every step's float result jittered by a couple of ulps (n
     runs): how far a different, equally valid rounding of each intermediate
-    value (another summation order, a recomputation in a fused kernel) can
-    move the result."""
+    value (another summation order, a recomputation in a fused kernel, a
+    vector math function against its scalar twin) can move the result."""
     runs = []
     for k in range(n):
         gen = torch.Generator().manual_seed(1000 + k)
@@ -878,21 +1106,29 @@ def eager_runs(fn, inputs, n: int = 2) -> list:
 def check_compiled(fn, inputs, eagers, ref, near: bool, names, **compile_kwargs) -> Outcome:
     """Compile fn for inputs, call it twice, compare with eager (structure,
     dtypes, shapes, ints and bools) and with the float64 reference (floats).
-    `eagers`: eager's result, then its results on perturbed inputs."""
+    `eagers`: eager's result, then its results on perturbed inputs.
+    `device="cuda"` among the keyword arguments: the program is compiled and run
+    on copies of the inputs on that device, and its results compared on the CPU."""
     import egraph_compiler as egc
     from egraph_compiler.errors import EgraphCompilerError
 
+    device = compile_kwargs.pop("device", None)
     saved = [t.clone() for t in inputs]
+    if device is not None:
+        inputs = [t.to(device) for t in inputs]
+
+    def host(tree):
+        return pytree.tree_map(lambda t: t.cpu() if isinstance(t, torch.Tensor) else t, tree)
     stage = "compile"
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             compiled = egc.compile(fn, inputs, **compile_kwargs)
             stage = "call"
-            got = compiled(*inputs)
+            got = host(compiled(*inputs))
             first = pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, got)
             stage = "second call"
-            again = compiled(*inputs)
+            again = host(compiled(*inputs))
     except EgraphCompilerError as exc:
         return Outcome("error", f"{stage}: {_short_exc(exc)}", type(exc).__name__)
     except Exception as exc:  # noqa: BLE001
@@ -901,7 +1137,7 @@ def check_compiled(fn, inputs, eagers, ref, near: bool, names, **compile_kwargs)
     if any("EagerFallbackWarning" in n for n in notes):
         return Outcome("error", "the compiled program ran eagerly: " + "; ".join(notes), "EagerFallbackWarning")
     for name, before, after in zip(names, saved, inputs):
-        if not torch.equal(before, after):
+        if not torch.equal(before, after.cpu()):
             return Outcome("wrong", f"the compiled call modified input {name}")
     eager = eagers[0]
     outcome = compare_results(eager, ref, got, near=near, perturbed=eagers[1:])

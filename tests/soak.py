@@ -31,13 +31,16 @@ import sys
 import tempfile
 import time
 
-MODE_WEIGHTS = [("default", 7), ("zero", 1), ("int", 1), ("multi", 1)]
+MODE_WEIGHTS = [("default", 7), ("zero", 1), ("int", 1), ("multi", 1), ("long", 1)]
 
 
-def _setup_env(cache_dir: str):
+def _setup_env(cache_dir: str, omp_threads: int):
     os.environ.setdefault("EGC_CACHE_DIR", cache_dir)
     os.environ.setdefault("EGC_PROFILE", "cpu-default")
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # generated kernels' `omp parallel for` with more than one thread (races show), without
+    # spinning on the cores the other workers need
+    os.environ.setdefault("OMP_NUM_THREADS", str(omp_threads))
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def _pick_mode(rng: random.Random) -> str:
@@ -50,7 +53,7 @@ def _pick_mode(rng: random.Random) -> str:
     return "default"
 
 
-def _worker(wid: int, seed: int, deadline: float, out_q, first_index: int = 0):
+def _worker(wid: int, seed: int, deadline: float, out_q, first_index: int = 0, check_kwargs=None):
     import torch
 
     from tests import programs as P
@@ -70,7 +73,7 @@ def _worker(wid: int, seed: int, deadline: float, out_q, first_index: int = 0):
             continue
         description = P.describe(program)
         out_q.put(("start", wid, key, mode, drawer.record, description))
-        outcome = P.check(program)
+        outcome = P.check(program, **(check_kwargs or {}))
         out_q.put(("done", wid, key, mode, drawer.record, description, outcome.kind, outcome.error_type,
                    outcome.detail, outcome.signature()))
         i += 1
@@ -89,11 +92,13 @@ class Soak:
         self.procs: dict[int, mp.Process] = {}
         self.inflight: dict[int, tuple] = {}  # wid -> (start time, key, mode, choices, description)
         self.next_wid = 0
+        self.check_kwargs = {k: v for k, v in (("target", args.target), ("device", args.device)) if v}
 
     def start_worker(self, deadline):
         wid = self.next_wid
         self.next_wid += 1
-        p = self.ctx.Process(target=_worker, args=(wid, self.args.seed, deadline, self.q), daemon=True)
+        p = self.ctx.Process(target=_worker, args=(wid, self.args.seed, deadline, self.q, 0, self.check_kwargs),
+                             daemon=True)
         p.start()
         self.procs[wid] = p
 
@@ -181,10 +186,10 @@ def write_failures(path, failures):
         json.dump(failures, f)
 
 
-def _same_failure(kind, error_type, signature):
+def _same_failure(kind, error_type, signature, check_kwargs=None):
     def still_fails(program):
         from tests import programs as P
-        outcome = P.check(program)
+        outcome = P.check(program, **(check_kwargs or {}))
         if kind in ("wrong",):
             return outcome.kind == "wrong"
         return outcome.kind == kind and outcome.error_type == error_type and outcome.signature() == signature
@@ -243,12 +248,15 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="soak_failures.txt")
     ap.add_argument("--program-timeout", type=float, default=180.0)
+    ap.add_argument("--target", help="compile for this target (cpu, triton, cuda); default: the inputs' own")
+    ap.add_argument("--device", help="run the compiled programs on copies of the inputs on this device (cuda)")
+    ap.add_argument("--omp-threads", type=int, default=2, help="OpenMP threads of the generated kernels")
     ap.add_argument("--minimize-minutes", type=float, default=0.0,
                     help="after the run, shrink each distinct failure for up to this long")
     ap.add_argument("--minimize", metavar="JSON", help="shrink the failures saved by an earlier run, then stop")
     args = ap.parse_args(argv)
     cache = tempfile.mkdtemp(prefix="egc-soak-cache-")
-    _setup_env(cache)
+    _setup_env(cache, args.omp_threads)
     if args.minimize:
         with open(args.minimize) as f:
             failures = json.load(f)

@@ -38,8 +38,8 @@ def fuzz_settings(n):
                                            HealthCheck.filter_too_much])
 
 
-def run(program):
-    outcome = check(program)
+def run(program, **compile_kwargs):
+    outcome = check(program, **compile_kwargs)
     event(outcome.kind if outcome.kind != "ill" else f"ill-conditioned ({outcome.error_type})")
     if outcome.failed:
         raise AssertionError(failure_message(program, outcome))
@@ -69,6 +69,19 @@ def test_random_programs_with_several_outputs(program):
     run(program)
 
 
+@fuzz_settings(SMALL)
+@given(programs("long"))
+def test_random_programs_with_long_rows(program):
+    run(program)
+
+
+@fuzz_settings(SMALL)
+@given(programs())
+def test_random_programs_on_the_triton_target(program):
+    """The same programs rendered with Triton (the interpreter, on CI's CPU)."""
+    run(program, target="triton")
+
+
 # ---- the harness itself: it covers the op table, and it can fail ----
 
 COVERAGE = ["torch.exp(", "torch.tanh(", "torch.sigmoid(", "torch.relu(", ".abs()", "torch.sqrt(", "torch.log(",
@@ -77,7 +90,8 @@ COVERAGE = ["torch.exp(", "torch.tanh(", "torch.sigmoid(", "torch.relu(", ".abs(
             ".transpose(", ".permute(", ".reshape(", ".flatten(", ":2]", ".expand(", ".unsqueeze(", ".squeeze(",
             ".t()", ".contiguous()", ".select(", "softmax(", "log_softmax(", "F.layer_norm(", "F.rms_norm(",
             " @ ", "F.linear(", "F.scaled_dot_product_attention(", "is_causal=True", "attn_mask=", ".float()",
-            ".double()", "torch.randint(", "generator=g) > 0.5", "torch.float64", "'out0'", "return (", "return [", ".unflatten("]
+            ".double()", "torch.randint(", "generator=g) > 0.5", "torch.float64", "torch.cat(", "torch.mm(",
+            "torch.addmm(", "torch.bmm(", ".split(", "torch.cumsum(", "'out0'", "return (", "return [", ".unflatten("]
 
 
 def test_generator_covers_the_op_table_without_replacing_steps():
@@ -124,6 +138,3 @@ def test_most_programs_are_well_conditioned():
 def test_checker_runs_hand_written_programs():
     assert check_fn(lambda x: torch.softmax(x, -1) * 2, [torch.randn(3, 8)]).kind == "ok"
     assert isinstance(check_fn(lambda x: x.sum(0), [torch.randn(3, 8)]), Outcome)
-
-
-# ---- minimal programs the fuzzer found (remove the xfail when fixed) ----

@@ -314,3 +314,16 @@ def test_layer_norm_of_nearly_constant_rows_of_large_magnitude():
         warnings.simplefilter("ignore")
         compiled = egc.compile(fn, [x0, x1])
     same(compiled, fn, x0, x1, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("target", ["cpu", "triton"])
+def test_softmax_of_a_fused_square_is_not_contracted_into_fma(target):
+    """softmax(x*x) fused: the row max and the exponent recompute x*x; contracted
+    into fma(x, x, -max) the exponent is x*x's rounding error (hundreds, at 6e9),
+    not 0, and exp overflowed to NaN (found by the random-program soak)."""
+    def fn(x):
+        return torch.softmax(x * x, 0)
+    x = torch.tensor([[0.59, 3.3], [76999.7, 81234.5], [26751.3, 12345.6]])
+    compiled = egc.compile(fn, [x], target=target)
+    assert not compiled(x).isnan().any()
+    same(compiled, fn, x)
