@@ -59,6 +59,8 @@ def load(source: str, kernels: list[LoopKernel]):
 
 
 
+SUM_BLOCK = 2048  # elements of a long row summed apart before their block sums are added
+
 # A max reduction keeps a NaN flag beside the maximum (a NaN anywhere in the row
 # makes the result NaN, as in torch), so that both stay plain vectorisable reductions.
 _REDUCTIONS = {
@@ -94,12 +96,22 @@ def render_kernel(k: LoopKernel) -> str:
         init, pragma, step, finish = _REDUCTIONS[red.combiner]
         body = _expr(red.body)
         lines.append(init.format(acc=red.acc))
-        lines.append(pragma.format(acc=red.acc))
         step = step.format(acc=red.acc, v=body)
         if k.stash_last and i == len(k.reductions) - 1:
             stash = f"{STASH}[r]"
             step = f"{{ const float s = {body}; {stash} = s; {_REDUCTIONS[red.combiner][2].format(acc=red.acc, v='s')[2:-2]} }}"
-        lines.append(f"    for (int64_t r = 0; r < {k.inner}; ++r) " + step)
+        if red.combiner == "sum" and k.inner > SUM_BLOCK:
+            # blocked: each block's lanes sum a few hundred terms, then the blocks add up, so
+            # the rounding error grows with n / SUM_BLOCK rather than n (torch sums in cascade)
+            lines.append(f"    for (int64_t rb = 0; rb < {k.inner}; rb += {SUM_BLOCK}) {{")
+            lines.append(f"    float {red.acc}_block = 0.0f;")
+            lines.append(pragma.format(acc=f"{red.acc}_block"))
+            lines.append(f"    for (int64_t r = rb; r < std::min<int64_t>({k.inner}, rb + {SUM_BLOCK}); ++r) "
+                         + step.replace(f"{red.acc} +=", f"{red.acc}_block +="))
+            lines.append(f"    {red.acc} += {red.acc}_block; }}")
+        else:
+            lines.append(pragma.format(acc=red.acc))
+            lines.append(f"    for (int64_t r = 0; r < {k.inner}; ++r) " + step)
         if finish:
             lines.append(finish.format(acc=red.acc))
     types = {p.name: CTYPES[p.dtype] for p in k.params}

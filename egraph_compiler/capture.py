@@ -347,6 +347,9 @@ def _softmax(op, internal=False):
         dtype = dtype if internal else (third if third is not None else dtype)
         if (internal and third) or (dtype is not None and str(dtype).removeprefix("torch.") != x.dtype):
             return None
+        if not x.shape:  # a 0-d tensor: torch treats it as one row of one element
+            row = Node.make(op, (Node.make("reshape", (x,), {"shape": (1,)}),), {"dim": -1})
+            return Node.make("reshape", (row,), {"shape": ()})
         return Node.make(op, (x,), {"dim": ops.norm_dim(dim, len(x.shape)) - len(x.shape)})
     return convert
 
@@ -376,6 +379,13 @@ def _addmm(bias, a, b, beta=1, alpha=1):
     if beta != 1 or alpha != 1:
         return None
     return Node.make("add", (Node.make("matmul", (a, b)), bias))
+
+
+def _linear(x, w, b=None):
+    if len(w.shape) == 1:  # x @ w: the library's linear (an addmm with a bias) needs a matrix
+        out = Node.make("matmul", (x, w))
+        return out if b is None else Node.make("add", (out, b))
+    return Node.make("linear", (x, w, b if b is not None else const(0.0)))
 
 
 def _identity(x, *args, **kwargs):
@@ -408,7 +418,7 @@ CONVERTERS = {
     aten.matmul.default: lambda a, b: Node.make("matmul", (a, b)),
     aten.mm.default: lambda a, b: Node.make("matmul", (a, b)),
     aten.bmm.default: lambda a, b: Node.make("matmul", (a, b)),
-    aten.linear.default: lambda x, w, b=None: Node.make("linear", (x, w, b if b is not None else const(0.0))),
+    aten.linear.default: _linear,
     aten.addmm.default: _addmm, aten.scaled_dot_product_attention.default: _sdpa,
     aten.clamp_min.default: lambda x, m: Node.make("maximum", (x, _t(m))),
     aten.rsub.Scalar: lambda x, other, alpha=1: _binary("sub")(other, x, alpha) if alpha == 1 else None,

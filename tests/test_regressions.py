@@ -327,3 +327,33 @@ def test_softmax_of_a_fused_square_is_not_contracted_into_fma(target):
     compiled = egc.compile(fn, [x], target=target)
     assert not compiled(x).isnan().any()
     same(compiled, fn, x)
+
+
+def test_linear_with_a_vector_weight():
+    """F.linear(x, w) with a 1-D w is x @ w; the library linear (an addmm) needs a matrix."""
+    def fn(x, w):
+        return F.linear(torch.tanh(x), w) * 2
+    x, w = torch.randn(12, 12), torch.randn(12)
+    same(egc.compile(fn, [x, w]), fn, x, w)
+
+
+@pytest.mark.parametrize("value", [0.7, float("inf"), float("nan")])
+def test_softmax_of_a_0d_tensor(value):
+    def fn(x):
+        return torch.softmax(x * 2, 0), torch.log_softmax(x * 2, -1)
+    x = torch.tensor(value)
+    compiled = egc.compile(fn, [x])
+    for got, want in zip(compiled(x), fn(x)):
+        torch.testing.assert_close(got, want, equal_nan=True)
+
+
+@pytest.mark.parametrize("target", ["cpu", "triton"])
+def test_long_sums_are_accurate(target):
+    """Sums of 16,384 values just above 1, taken lane by lane, dropped their
+    fractional parts once a lane's sum passed 2048 (1e-4 relative, found by the
+    soak); torch sums in cascade.  Compared with float64."""
+    def fn(x):
+        return torch.exp(x * 1e-4).sum(-1), (x.relu() + 0.1).mean() * x
+    x = torch.rand(2, 3, 16384, generator=torch.Generator().manual_seed(0)) * 4 - 1.9
+    for got, want in zip(egc.compile(fn, [x], target=target)(x), fn(x.double())):
+        assert float(((got.double() - want).abs() / want.abs().clamp(min=1e-3)).max()) < 1e-5
