@@ -54,9 +54,12 @@ def _pick_mode(rng: random.Random) -> str:
 
 
 def _worker(wid: int, seed: int, deadline: float, out_q, first_index: int = 0, check_kwargs=None):
+    import faulthandler
+
     import torch
 
     from tests import programs as P
+    faulthandler.enable()  # a worker killed by a signal prints where it was
     torch.set_num_threads(1)
     i = first_index
     while time.time() < deadline:
