@@ -40,13 +40,11 @@ def expand_row(node: Node) -> Node:
     dims = tuple(range(-node.attr("ndim"), 0))
     eps = const(node.attr("eps"))
     if node.op == "layer_norm":
-        # the mean is taken around the row's first element, so a constant row centres to exactly 0
-        # (torch's Welford moments do; `x - sum(x)/n` rounds, and 1/sqrt(var + eps) then magnifies it)
-        first = x
-        for d in dims:
-            first = Node.make("slice", (first,), {"dim": d, "start": 0, "end": 1, "step": 1})
-        shifted = _inl("sub", x, first)
-        centred = _inl("sub", shifted, _inl("mean", shifted, dims=dims, keepdim=True))
+        # corrected two-pass mean: the mean of `x - mean(x)` is mean(x)'s own rounding error, taken
+        # back out.  A constant row centres to exactly 0 (as torch's Welford moments do; 1/sqrt(var + eps)
+        # magnifies any residue), and a long row's centred values sum to ~0 whatever its mean's size
+        first_pass = _inl("sub", x, _inl("mean", x, dims=dims, keepdim=True))
+        centred = _inl("sub", first_pass, _inl("mean", first_pass, dims=dims, keepdim=True))
         var = _inl("mean", _inl("mul", centred, centred), dims=dims, keepdim=True)
         normed = _inl("mul", centred, _inl("rsqrt", _inl("add", var, eps)))
         return Node.make("add", (_inl("mul", normed, node.args[1]), node.args[2]))

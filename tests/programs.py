@@ -228,6 +228,10 @@ class _Ctx:
         """Evaluates the step now (eager semantics decide its shape and dtype).
         A tentative step that torch rejects is not a generator bug: None."""
         name = f"t{len(self.steps)}"
+        if self._attention_too_big(expr):  # its scores (never returned) would be too big
+            if tentative:
+                return None
+            expr, cmp = f"{fallback.name}.clone()", None
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -251,6 +255,14 @@ class _Ctx:
         val = Val(name, tuple(value.shape), value.dtype)
         self.live.append(val)
         return val
+
+    def _attention_too_big(self, expr: str) -> bool:
+        m = re.search(r"scaled_dot_product_attention\((\w+), (\w+)", expr)
+        if m is None or m.group(1) not in self.env or m.group(2) not in self.env:
+            return False
+        q, k = self.env[m.group(1)], self.env[m.group(2)]
+        rows = math.prod(q.shape[:-1]) if q.dim() > 1 else 1
+        return rows * (k.shape[-2] if k.dim() > 1 else 1) > _limit
 
     def partner(self, pred) -> Val | None:
         cands = [v for v in self.live if pred(v)]
@@ -928,9 +940,33 @@ def noisy_runs(p: Program, n: int = 2) -> list:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             for step in p.live_steps():
-                env[step.name] = _jitter(eval(step.expr, {"torch": torch, "F": F}, env), gen)
+                value = _jitter(eval(step.expr, {"torch": torch, "F": F}, env), gen)
+                env[step.name] = _sum_noise(step.expr, value, env, gen)
             runs.append(eval(_return(p), {}, env))
     return runs
+
+
+_SUMS = re.compile(r"\.sum\(|\.mean\(|torch\.sum\(|torch\.mean\(| @ |matmul\(|linear\(|mm\(|attention\(")
+
+
+def _sum_noise(expr: str, value, env, gen):
+    """A sum's rounding depends on its order, and is proportional to the sum of
+    its terms' magnitudes, not to the result (a sum that cancels to ~0 has a
+    large relative error in any order): `value` moved by up to eps times the
+    step evaluated on the magnitudes of its float operands."""
+    if not (isinstance(value, torch.Tensor) and value.is_floating_point() and _SUMS.search(expr)):
+        return value
+    magnitudes = {k: v.abs() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in env.items()}
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            scale = eval(expr, {"torch": torch, "F": F}, magnitudes)
+    except Exception:  # noqa: BLE001 - a step that needs its signs (a log of a difference): no noise
+        return value
+    if not (isinstance(scale, torch.Tensor) and scale.shape == value.shape and scale.dtype == value.dtype):
+        return value
+    noise = (torch.rand(value.shape, generator=gen, dtype=value.dtype) * 2 - 1) * torch.finfo(value.dtype).eps
+    return value + noise * scale.abs().nan_to_num(0.0, 0.0, 0.0)
 
 
 def _margin(step: Step, env) -> float:
