@@ -197,7 +197,7 @@ class _Kernel:
         return lines
 
     def _cast_out(self, param: str, text: str) -> str:
-        return f"({text}).to({TL[self.types[param]]})"
+        return f"tl.cast({text}, {TL[self.types[param]]})"  # tl.cast: a constant value is a Python float
 
 
 def _stash_index(k: LoopKernel):

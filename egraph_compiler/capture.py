@@ -10,6 +10,7 @@ ATen.  This is the only module that imports torch.export / torch.fx.
 from __future__ import annotations
 
 import inspect
+import math
 import operator
 import os
 import warnings
@@ -159,6 +160,8 @@ def _convert(fx_node, env, where) -> object:
     kwargs = {k: _arg(v, env) for k, v in fx_node.kwargs.items()}
     converter = CONVERTERS.get(fx_node.target)
     result, reason = None, "outside the vocabulary"
+    if any(isinstance(a, float) and math.isnan(a) for a in [*args, *kwargs.values()]):
+        converter, reason = None, "a NaN constant (the e-graph's numbers cannot hold NaN)"
     if converter is not None:
         reason = "an argument or form the op table does not model"
         try:

@@ -102,7 +102,7 @@ class Executable:
         if id(node) in env:
             return env[id(node)]
         if node.op == "const":
-            return torch.tensor(node.attr("value"), dtype=torch.float32)
+            return torch.tensor(node.attr("value"), dtype=torch.float32, device=self.target.device)
         if node.op == "inline":  # a fused producer, in a kernel that runs through torch
             return self._run_torch(node.args[0], env)
         if node.group == "layout":
@@ -110,7 +110,8 @@ class Executable:
         raise CodegenError(f"{node.op} is read before it is computed")
 
     def _run_torch(self, node: Node, env) -> torch.Tensor:
-        args = [_scalar(a, node) if a.op == "const" else self._tensor(a, env) for a in node.args]
+        args = [_scalar(a, node, self.target.device) if a.op == "const" else self._tensor(a, env)
+                for a in node.args]
         if node.op == "extern":
             return node.attr("target").run(args)
         out = ops.get(node.op).reference(args, node.a)
@@ -186,7 +187,7 @@ def _all_nodes(plan: Plan):
         yield kernel.output
 
 
-def _scalar(const: Node, consumer: Node) -> torch.Tensor:
+def _scalar(const: Node, consumer: Node, device: str = "cpu") -> torch.Tensor:
     """A scalar operand as torch would type the Python number: in the dtype of
     an arithmetic result (capture gives arithmetic operands that dtype), and
     promoted with the other operand for a comparison."""
@@ -197,4 +198,4 @@ def _scalar(const: Node, consumer: Node) -> torch.Tensor:
         dtype = torch.result_type(torch.empty((), dtype=torch_dtype(strong[-1])), number)
     else:
         dtype = torch_dtype(consumer.dtype if consumer.dtype != "bool" else "float32")
-    return torch.tensor(number, dtype=dtype)
+    return torch.tensor(number, dtype=dtype, device=device)

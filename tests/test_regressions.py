@@ -357,3 +357,18 @@ def test_long_sums_are_accurate(target):
     x = torch.rand(2, 3, 16384, generator=torch.Generator().manual_seed(0)) * 4 - 1.9
     for got, want in zip(egc.compile(fn, [x], target=target)(x), fn(x.double())):
         assert float(((got.double() - want).abs() / want.abs().clamp(min=1e-3)).max()) < 1e-5
+
+
+@pytest.mark.parametrize("target", ["cpu", "triton"])
+def test_nan_constants_run_through_aten_and_constant_stores_render(target):
+    """A NaN scalar crashed the e-graph encoding with a bare ValueError; a kernel
+    storing a constant (the NaN mean of no elements) was invalid Triton."""
+    def fn(x, empty):
+        return torch.where(x > 0, x, float("nan")).sum(-1), torch.sqrt(empty.mean().abs() + 0.5)
+    x, empty = torch.randn(4, 8), torch.randn(0, 2, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the fallback's warning (once per process)
+        compiled = egc.compile(fn, [x, empty], target=target)
+    assert any("NaN constant" in str(f) for f in compiled.plan.fallbacks)
+    for got, want in zip(compiled(x, empty), fn(x, empty)):
+        torch.testing.assert_close(got, want, equal_nan=True)

@@ -1,0 +1,45 @@
+"""The CUDA target on a GPU (skipped where there is none, as on CI; run on the
+H200 through the device tool): forms the GPU soak found crashing, and random
+programs compiled for CUDA against eager and float64 on the CPU."""
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given
+
+import egraph_compiler as egc
+from programs import check, failure_message, programs
+from test_differential import fuzz_settings
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+CASES = {
+    # constants (a default weight, linear's zero bias) were made on the CPU
+    "layer_norm_no_weight": (lambda x: F.layer_norm(x * 2, x.shape[-1:]), [(4, 33)]),
+    "rms_norm_no_weight": (lambda x: F.rms_norm(x + 1, x.shape[-1:]), [(4, 33)]),
+    "linear_no_bias": (lambda x, w: F.linear(torch.tanh(x), w), [(4, 8), (5, 8)]),
+    # torch's fused attention refuses misaligned views and some masked head sizes
+    "sdpa_transposed_view": (lambda x: F.scaled_dot_product_attention(*(x.transpose(-1, 2),) * 3, is_causal=True),
+                             [(1, 2, 4, 1)]),
+    "sdpa_head_33_float_mask": (lambda q, m: F.scaled_dot_product_attention(torch.log(q.abs() + 1), q, q, attn_mask=m),
+                                [(1, 2, 3, 33), (1, 2, 3, 3)]),
+    # a stored constant (the NaN mean of no elements) was a Python float to Triton
+    "mean_of_nothing": (lambda x: torch.sqrt(x.mean().abs() + 0.5), [(0, 2, 3, 3)]),
+    "nan_constant": (lambda x: torch.where(x > 0, x, float("nan")).sum(-1), [(4, 8)]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_gpu_soak_regressions(name):
+    fn, shapes = CASES[name]
+    inputs = [torch.randn(s, generator=torch.Generator().manual_seed(i)) for i, s in enumerate(shapes)]
+    expected = fn(*inputs)
+    got = egc.compile(fn, [t.cuda() for t in inputs])(*[t.cuda() for t in inputs])
+    torch.testing.assert_close(got.cpu(), expected, atol=1e-4, rtol=1e-4, equal_nan=True)
+
+
+@fuzz_settings(100)
+@given(programs())
+def test_random_programs_on_cuda(program):
+    outcome = check(program, device="cuda")
+    if outcome.failed:
+        raise AssertionError(failure_message(program, outcome))
