@@ -59,14 +59,15 @@ def load(source: str, kernels: list[LoopKernel]):
 
 
 
-SUM_BLOCK = 2048  # elements of a long row summed apart before their block sums are added
-
-# A max reduction keeps a NaN flag beside the maximum (a NaN anywhere in the row
-# makes the result NaN, as in torch), so that both stay plain vectorisable reductions.
+# A sum accumulates in double lanes: float lanes of a long row drift by ~sqrt(n) ulps
+# of the running sum (torch sums float32 in cascade; 1e-6..1e-3 relative apart over
+# 2k-128k terms, found by the soak).  A max reduction keeps a NaN flag beside the
+# maximum (a NaN anywhere in the row makes the result NaN, as in torch), so that
+# both stay plain vectorisable reductions.
 _REDUCTIONS = {
-    "sum": ("    float {acc} = 0.0f;",
-            "    #pragma omp simd reduction(+:{acc})",
-            "{{ {acc} += {v}; }}", ""),
+    "sum": ("    double {acc}_d = 0.0;",
+            "    #pragma omp simd reduction(+:{acc}_d)",
+            "{{ {acc}_d += {v}; }}", "    const float {acc} = static_cast<float>({acc}_d);"),
     "max": ("    float {acc} = -INFINITY; int {acc}_nan = 0;",
             "    #pragma omp simd reduction(max:{acc}) reduction(|:{acc}_nan)",
             "{{ const float v = {v}; {acc} = std::max({acc}, v); {acc}_nan |= (v != v); }}",
@@ -100,18 +101,8 @@ def render_kernel(k: LoopKernel) -> str:
         if k.stash_last and i == len(k.reductions) - 1:
             stash = f"{STASH}[r]"
             step = f"{{ const float s = {body}; {stash} = s; {_REDUCTIONS[red.combiner][2].format(acc=red.acc, v='s')[2:-2]} }}"
-        if red.combiner == "sum" and k.inner > SUM_BLOCK:
-            # blocked: each block's lanes sum a few hundred terms, then the blocks add up, so
-            # the rounding error grows with n / SUM_BLOCK rather than n (torch sums in cascade)
-            lines.append(f"    for (int64_t rb = 0; rb < {k.inner}; rb += {SUM_BLOCK}) {{")
-            lines.append(f"    float {red.acc}_block = 0.0f;")
-            lines.append(pragma.format(acc=f"{red.acc}_block"))
-            lines.append(f"    for (int64_t r = rb; r < std::min<int64_t>({k.inner}, rb + {SUM_BLOCK}); ++r) "
-                         + step.replace(f"{red.acc} +=", f"{red.acc}_block +="))
-            lines.append(f"    {red.acc} += {red.acc}_block; }}")
-        else:
-            lines.append(pragma.format(acc=red.acc))
-            lines.append(f"    for (int64_t r = 0; r < {k.inner}; ++r) " + step)
+        lines.append(pragma.format(acc=red.acc))
+        lines.append(f"    for (int64_t r = 0; r < {k.inner}; ++r) " + step)
         if finish:
             lines.append(finish.format(acc=red.acc))
     types = {p.name: CTYPES[p.dtype] for p in k.params}

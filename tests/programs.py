@@ -228,7 +228,7 @@ class _Ctx:
         """Evaluates the step now (eager semantics decide its shape and dtype).
         A tentative step that torch rejects is not a generator bug: None."""
         name = f"t{len(self.steps)}"
-        if self._attention_too_big(expr):  # its scores (never returned) would be too big
+        if self._attention_too_big(expr) or self._too_big(expr):  # sized on meta tensors, before it runs
             if tentative:
                 return None
             expr, cmp = f"{fallback.name}.clone()", None
@@ -255,6 +255,16 @@ class _Ctx:
         val = Val(name, tuple(value.shape), value.dtype)
         self.live.append(val)
         return val
+
+    def _too_big(self, expr: str) -> bool:
+        meta = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in self.env.items()}
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                value = eval(expr, {"torch": torch, "F": F}, meta)
+        except Exception:  # noqa: BLE001 - no meta kernel, or data-dependent: the real run decides
+            return False
+        return isinstance(value, torch.Tensor) and (value.dim() > MAX_RANK or value.numel() > _limit)
 
     def _attention_too_big(self, expr: str) -> bool:
         m = re.search(r"scaled_dot_product_attention\((\w+), (\w+)", expr)
