@@ -117,35 +117,30 @@ def build_egraph(fn, example_inputs, options: Options, levels: Levels | None = N
     phases = library_phases() + [p for p in user if isinstance(p, Phase)]
     levels.timings["capture"] = time.perf_counter() - clock
 
-    with _session_for(rules).scope() as session:
-        text, names = encode.encode_graph(graph)
-        session.run(text)
-        limits = saturate.Limits(options.iter_limit, options.node_limit, options.time_limit)
-        feeder = FactFeeder(session, graph) if needs_facts(rules) else None
-        report = saturate.saturate(session, schedule(rules, phases), limits, feeder)
-        levels.egraph = str(report)
-        eclasses = extract.load(session.serialized(), graph, names)
-        if options.dot:
-            levels.dot = session.dot()
+    session = _new_session(rules)
+    text, names = encode.encode_graph(graph)
+    session.run(text)
+    limits = saturate.Limits(options.iter_limit, options.node_limit, options.time_limit)
+    feeder = FactFeeder(session, graph) if needs_facts(rules) else None
+    report = saturate.saturate(session, schedule(rules, phases), limits, feeder)
+    levels.egraph = str(report)
+    eclasses = extract.load(session.serialized(), graph, names)
+    if options.dot:
+        levels.dot = session.dot()
     extract.infer_types(eclasses, graph)
     return graph, eclasses, report, rules
 
 
-_SESSIONS: dict[tuple, EgglogSession] = {}
-
-
-def _session_for(rules) -> EgglogSession:
-    """An egglog session with these rules installed, reused across compiles
-    (installing the library takes longer than saturating a small program)."""
-    key = tuple((r.location, r.name, r.group, r.text) for r in rules)
-    if key not in _SESSIONS:
-        if len(_SESSIONS) >= 8:
-            _SESSIONS.pop(next(iter(_SESSIONS)))
-        session = EgglogSession()
-        session.run(encode.declarations())
-        saturate.install_rules(session, rules)
-        _SESSIONS[key] = session
-    return _SESSIONS[key]
+def _new_session(rules) -> EgglogSession:
+    """A fresh egglog session with these rules installed, one per compile.
+    Sessions were once reused across compiles inside push/pop scopes: a program
+    compiled after others could then be rewritten with an equality that held
+    only for an earlier program (`0.5 - t` became `t - t`; found by the soak),
+    so installing the rules again (~0.3 s) is the price of never sharing state."""
+    session = EgglogSession()
+    session.run(encode.declarations())
+    saturate.install_rules(session, rules)
+    return session
 
 
 def _target(name: str | None, example_inputs):

@@ -69,7 +69,7 @@ def test_node_limit_holds(node_limit):
     _check(compiled)
 
 
-def test_an_undone_iteration_leaves_the_shared_session_clean():
+def test_an_undone_iteration_leaves_nothing_for_the_next_compile():
     # 2160 -> 8890 e-nodes would cross 5000 by far: that iteration is undone
     report = egc.compile(chain, [X], rules=RULES, node_limit=5000).report
     assert "undone" in str(report) and report.enodes < 5000

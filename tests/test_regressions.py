@@ -372,3 +372,21 @@ def test_nan_constants_run_through_aten_and_constant_stores_render(target):
     assert any("NaN constant" in str(f) for f in compiled.plan.fallbacks)
     for got, want in zip(compiled(x, empty), fn(x, empty)):
         torch.testing.assert_close(got, want, equal_nan=True)
+
+
+def test_every_compile_saturates_in_an_egraph_of_its_own(monkeypatch):
+    """Sessions reused across compiles (push/pop scoped) let an equality that held
+    for an earlier program rewrite a later one: after three unrelated programs,
+    `0.5 - t11` in a fourth was extracted as `t11 - t11` (found by the soak).
+    Nothing of one compile's e-graph may reach the next."""
+    from egraph_compiler.egraph.egg import EgglogSession
+    made = []
+    init = EgglogSession.__init__
+    monkeypatch.setattr(EgglogSession, "__init__", lambda self: made.append(self) or init(self))
+
+    def fn(x):
+        return -0.25 - (0.5 - (F.rms_norm(x, (1,)).double().abs() + 0.5) ** -0.5)
+    x = torch.rand(2, 2, 5, 1) * 4 - 2
+    for _ in range(3):
+        same(egc.compile(fn, [x]), fn, x)
+    assert len(made) == 3 and len({id(s) for s in made}) == 3

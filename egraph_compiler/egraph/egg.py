@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 from egglog.bindings import EGraph, EggSmolError, TermApp
@@ -62,21 +61,6 @@ class EgglogSession:
             except EggSmolError as exc:
                 raise EgglogError(f"egglog rejected generated program: {exc}\n--- program ---\n{chunk[:4000]}") from exc
         return out
-
-    @contextmanager
-    def scope(self):
-        """Everything added inside is dropped on exit (egglog push/pop), so a
-        session with rules installed serves many programs.  Snapshots taken
-        inside (`checkpoint`) and never rolled back are popped too: egglog
-        cannot drop a snapshot without restoring it."""
-        mark, depth = len(self.program), self._depth
-        self.checkpoint()
-        try:
-            yield self
-        finally:
-            while self._depth > depth:
-                self.rollback()
-            del self.program[mark:]
 
     def checkpoint(self) -> None:
         self.run("(push)")
