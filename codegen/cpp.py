@@ -11,7 +11,9 @@ from egraph_compiler.loopir import STASH, LoopKernel
 
 from .walker import Target, float_literal, render_expr, render_index
 
-CTYPES = {"float32": "float", "float64": "double", "bool": "bool", "int64": "int64_t", "int32": "int32_t"}
+CTYPES = {"float32": "float", "float64": "double", "bool": "bool", "int64": "int64_t", "int32": "int32_t",
+          "float16": "_Float16", "bfloat16": "egc_bf16"}
+NARROW_CTYPES = ("_Float16", "egc_bf16")  # stored narrow, loaded into float: kernels compute in float32
 PARALLEL_MIN = 1 << 15  # below this many elements, threads cost more than they save
 
 SCALAR_OPS = {
@@ -21,7 +23,7 @@ SCALAR_OPS = {
     "silu": "(({0}) / (1.0f + expf(-({0}))))",
     "gelu": "(0.5f * ({0}) * (1.0f + erff(({0}) * 0.7071067811865476f)))",
     "gelu_tanh": "(0.5f * ({0}) * (1.0f + tanhf(0.7978845608028654f * (({0}) + 0.044715f * ({0}) * ({0}) * ({0})))))",
-    "cast": "static_cast<{dtype}>({0})",
+    "cast": "egc_cast<{dtype}>({0})",
     "add": "(({0}) + ({1}))", "sub": "(({0}) - ({1}))", "mul": "(({0}) * ({1}))", "div": "(({0}) / ({1}))",
     "maximum": "egc_maximum({0}, {1})", "pow": "powf({0}, {1})",
     "gt": "(({0}) > ({1}))", "ge": "(({0}) >= ({1}))", "lt": "(({0}) < ({1}))", "le": "(({0}) <= ({1}))",
@@ -41,6 +43,24 @@ __attribute__((simd("notinbranch"))) float erff(float);
 __attribute__((simd("notinbranch"))) float powf(float, float);
 }
 #endif
+#include <cstring>
+// bfloat16 storage: the top half of a float, rounded to nearest even (NaN stays NaN)
+struct egc_bf16 {
+  uint16_t bits;
+  egc_bf16() = default;
+  egc_bf16(float f) {
+    uint32_t u; std::memcpy(&u, &f, 4);
+    bits = (f != f) ? uint16_t(0x7fc0) : uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  }
+  operator float() const { uint32_t u = uint32_t(bits) << 16; float f; std::memcpy(&f, &u, 4); return f; }
+};
+// a cast inside a kernel: rounded to the dtype, computed on in float where the dtype is narrow
+template <class T> struct egc_compute { using type = T; };
+template <> struct egc_compute<_Float16> { using type = float; };
+template <> struct egc_compute<egc_bf16> { using type = float; };
+template <class T, class S> static inline typename egc_compute<T>::type egc_cast(S x) {
+  return static_cast<typename egc_compute<T>::type>(static_cast<T>(static_cast<float>(x)));
+}
 static inline float egc_maximum(float a, float b) { return (a != a || a > b) ? a : ((b != b) ? b : std::max(a, b)); }
 """
 
@@ -75,18 +95,19 @@ _REDUCTIONS = {
 }
 
 
-def _load(e) -> str:
-    return f"{e.param}[{render_index(e.index, TARGET)}]"
-
-
-def _expr(e) -> str:
-    return render_expr(e, TARGET, _load)
+def _expr(e, types: dict[str, str]) -> str:
+    """`types`: the kernel's parameter -> C type; narrow (fp16/bf16) loads are widened to float."""
+    def load(e) -> str:
+        text = f"{e.param}[{render_index(e.index, TARGET)}]"
+        return f"static_cast<float>({text})" if types.get(e.param) in NARROW_CTYPES else text
+    return render_expr(e, TARGET, load)
 
 
 def render_kernel(k: LoopKernel) -> str:
     params = ", ".join(
         f"{'const ' if p.role == 'in' else ''}{CTYPES[p.dtype]}* __restrict__ {p.name}" for p in k.params)
     parallel = k.outer > 1 and k.outer * k.inner >= PARALLEL_MIN
+    types = {p.name: CTYPES[p.dtype] for p in k.params}
     lines = [f'extern "C" void {k.name}({params}) {{']
     if parallel:
         lines.append("  #pragma omp parallel for schedule(static)")
@@ -95,7 +116,7 @@ def render_kernel(k: LoopKernel) -> str:
         lines.append(f"    alignas(64) float {STASH}[{k.inner}];")
     for i, red in enumerate(k.reductions):
         init, pragma, step, finish = _REDUCTIONS[red.combiner]
-        body = _expr(red.body)
+        body = _expr(red.body, types)
         lines.append(init.format(acc=red.acc))
         step = step.format(acc=red.acc, v=body)
         if k.stash_last and i == len(k.reductions) - 1:
@@ -105,7 +126,6 @@ def render_kernel(k: LoopKernel) -> str:
         lines.append(f"    for (int64_t r = 0; r < {k.inner}; ++r) " + step)
         if finish:
             lines.append(finish.format(acc=red.acc))
-    types = {p.name: CTYPES[p.dtype] for p in k.params}
     stores = [(k.store_param, k.store_index, k.value, k.store_in_inner)] + list(k.extra_stores)
     inner = " ".join(_store(p, i, v, types) for p, i, v, in_inner in stores if in_inner)
     if inner:
@@ -117,7 +137,7 @@ def render_kernel(k: LoopKernel) -> str:
 
 
 def _store(param, index, value, types) -> str:
-    return f"{param}[{render_index(index, TARGET)}] = static_cast<{types[param]}>({_expr(value)});"
+    return f"{param}[{render_index(index, TARGET)}] = static_cast<{types[param]}>({_expr(value, types)});"
 
 
 def render_program(kernels: list[LoopKernel]) -> str:
@@ -129,6 +149,6 @@ TARGET = Target(
     const=lambda v: float_literal(v, "f", "INFINITY", "NAN"),
     pow_special={2.0: "(({0}) * ({0}))", 0.5: "std::sqrt({0})", 1.0: "({0})", 3.0: "(({0}) * ({0}) * ({0}))",
                  -1.0: "(1.0f / ({0}))"},
-    floordiv="/", dtypes=frozenset({"float32", "bool", "weak"}), dtype_names=CTYPES,
+    floordiv="/", dtypes=frozenset({"float32", "float16", "bfloat16", "bool", "weak"}), dtype_names=CTYPES,
     render=render_program, load=load,
 )

@@ -6,6 +6,7 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import egraph_compiler as egc
 from egraph_compiler import ops
@@ -92,3 +93,33 @@ def test_mixed_programs_per_dtype(dtype):
     for got, want in zip(compiled(x, y), expected):
         assert got.dtype == want.dtype
         torch.testing.assert_close(got, want)
+
+
+NARROW_PROGRAMS = {
+    "chain": lambda x: torch.relu(x * 2 + 1).abs() - 0.5,
+    "softmax": lambda x: torch.softmax(x, -1),
+    "layer_norm": lambda x: F.layer_norm(x, x.shape[-1:]) * 1.5 + 1,
+    "rms_norm": lambda x: F.rms_norm(x, x.shape[-1:]) * 2,
+    "row_sum": lambda x: x.sum(-1) + x.amax(-1),
+    "round_trip": lambda x: (x.float() * 3).to(x.dtype) + 1,
+    "gelu": lambda x: F.gelu(x) * torch.sigmoid(x),
+}
+
+
+@pytest.mark.parametrize("target", ["cpu", "triton"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", sorted(NARROW_PROGRAMS))
+def test_narrow_floats_are_generated_code_computing_in_float32(name, dtype, target):
+    """fp16/bf16 tensors: stored narrow, computed in float32 inside a kernel and
+    rounded once when stored (Inductor's contract too), so at least as close to
+    float32 as eager's op-by-op rounding, give or take one rounding of the result."""
+    fn = NARROW_PROGRAMS[name]
+    x = torch.randn(6, 40, generator=torch.Generator().manual_seed(1)).to(dtype)
+    compiled = egc.compile(fn, [x], target=target)
+    assert all(k.kind != "aten" for k in compiled.plan.kernels), str(compiled.plan)
+    got, want, exact = compiled(x), fn(x), fn(x.float())
+    assert got.dtype == want.dtype == dtype
+    ulp = torch.finfo(dtype).eps * exact.abs().float() + 1e-6
+    if target == "triton" and dtype == torch.bfloat16:  # the interpreter truncates float32 -> bf16
+        ulp = 2 * ulp                                    # (a GPU rounds to nearest even)
+    assert bool(((got.float() - exact.float()).abs() <= (want.float() - exact.float()).abs() + ulp).all())
