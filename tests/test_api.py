@@ -167,10 +167,17 @@ def test_torch_compile_backend_across_shapes():
 
 
 def test_dtypes_the_cpp_target_does_not_generate_run_through_aten_and_are_listed():
-    fn, inputs = workloads.make("ln_relu", "test", dtype=torch.bfloat16)
+    fn, inputs = workloads.make("ln_relu", "test", dtype=torch.float64)
     with pytest.warns(UserWarning, match="runs through ATen"):
         compiled = egc.compile(fn, inputs)
-    assert compiled.plan.fallbacks and all("bfloat16" in f for f in compiled.plan.fallbacks)
+    assert compiled.plan.fallbacks and all("float64" in f for f in compiled.plan.fallbacks)
+    torch.testing.assert_close(compiled(*inputs), fn(*inputs))
+
+
+def test_bf16_workload_is_generated_cpp():
+    fn, inputs = workloads.make("ln_relu", "test", dtype=torch.bfloat16)
+    compiled = egc.compile(fn, inputs, target="cpu")
+    assert not compiled.plan.fallbacks and any(k.kind == "generated" for k in compiled.plan.kernels)
     torch.testing.assert_close(compiled(*inputs), fn(*inputs), atol=2e-2, rtol=2e-2)
 
 
