@@ -8,6 +8,7 @@ ill-shaped term cannot exist.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,7 +87,10 @@ def _fill(a, it):
     return a
 
 
-_INTERN: dict[tuple, "Node"] = {}
+# Hash-consing table.  Weak values: a node lives as long as a graph or plan holds it,
+# not for the life of the process.  A key names its operands by id(), which is safe
+# because a live node holds its operands (their ids cannot be reused while it is here).
+_INTERN: "weakref.WeakValueDictionary[tuple, Node]" = weakref.WeakValueDictionary()
 
 
 @dataclass(frozen=True, eq=False)
