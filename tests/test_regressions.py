@@ -390,3 +390,18 @@ def test_every_compile_saturates_in_an_egraph_of_its_own(monkeypatch):
     for _ in range(3):
         same(egc.compile(fn, [x]), fn, x)
     assert len(made) == 3 and len({id(s) for s in made}) == 3
+
+
+def test_extraction_breaks_cycles_between_classes_choices():
+    """Each class's cheapest node can read the other's class (x = y * a, y = x * b
+    after the scalar rewrites); building that choice recursed forever (found by
+    the soak).  A cycle is broken with the captured program's own node."""
+    def fn(x0, x1):
+        t10 = torch.exp(F.gelu(x1).clamp(-6.0, 3.0)).mean(dim=(2, 0)) * 2.0
+        t15 = F.gelu(t10, approximate="tanh").unsqueeze(-2) + -0.25
+        t21 = (t15 @ t15).transpose(-2, -1).expand(N, 1, 1)
+        return F.linear(t21, t15)
+    N = 20001
+    g = torch.Generator().manual_seed(17154)
+    x0, x1 = torch.rand((2, 2, N), generator=g) * 4 - 2, torch.rand((2, 1, N), generator=g) * 4 - 2
+    same(egc.compile(fn, [x0, x1]), fn, x0, x1, rtol=1e-4)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from .. import ops
 from ..errors import UnsoundRuleError
-from ..graph import WEAK, Graph, result_dtype
+from ..graph import WEAK, Graph, Node, result_dtype
 from .encode import OP_OF_CTOR
 
 
@@ -30,6 +30,7 @@ class EClassGraph:
     shape: dict[str, tuple] = field(default_factory=dict)
     where: dict[str, str] = field(default_factory=dict)  # class -> the user's source line of a node in it
     dtype: dict[str, str] = field(default_factory=dict)
+    original: dict[str, Node] = field(default_factory=dict)  # class -> the captured node in it
 
     @property
     def enode_count(self) -> int:
@@ -89,14 +90,19 @@ def load(data: dict, graph: Graph, names: dict[int, str] | None = None) -> EClas
     roots: dict[int, str] = {}
     where_of_global = {names[id(n)]: graph.where[id(n)] for n in graph.topo()
                        if names and id(n) in names and id(n) in graph.where}
+    node_of_global = {names[id(n)]: n for n in graph.topo() if names and id(n) in names}
     where: dict[str, str] = {}
+    original: dict[str, Node] = {}
     for class_id, info in data["class_data"].items():
         for name in info.get("let", "").split(", "):
             if name.startswith("$out"):
                 roots[int(name[4:])] = class_id
-            elif name in where_of_global:
+                continue
+            if name in where_of_global:
                 where.setdefault(class_id, where_of_global[name])
-    return EClassGraph(classes, [roots[i] for i in range(len(roots))], where=where)
+            if name in node_of_global:
+                original.setdefault(class_id, node_of_global[name])
+    return EClassGraph(classes, [roots[i] for i in range(len(roots))], where=where, original=original)
 
 
 def infer_types(eg: EClassGraph, graph: Graph) -> None:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 
 from .. import ops
 from ..cost import VIEW_COST, DeviceProfile, itemsize, kernel_cost, op_flops
-from ..errors import UnsoundRuleError
+from ..errors import CodegenError, UnsoundRuleError
 from ..graph import WEAK, Graph, Node
 from .extract import EClassGraph, ENode
 
@@ -150,17 +150,32 @@ def build(eg: EClassGraph, extractor: KernelExtractor, graph: Graph) -> Graph:
     built: dict[tuple[str, str], Node] = {}
     where = dict(graph.where)
 
+    active: set[tuple[str, str]] = set()
+
+    def operand(class_id: str, mode: str) -> Node:
+        """A child's node; where the per-class choices form a cycle (each class's
+        cheapest node reads the other: x = y * a, y = x * b), the child is the
+        captured program's own node of its class, computed as captured."""
+        if (class_id, mode) not in active:
+            made = make(class_id, mode)
+            return made if mode == "mat" else Node.make("inline", (made,))
+        if class_id not in eg.original:
+            raise CodegenError(f"extraction chose a cyclic term through e-class {class_id} (a compiler bug)")
+        return eg.original[class_id]
+
     def make(class_id: str, mode: str) -> Node:
         key = (class_id, mode)
         if key in built:
             return built[key]
         en = (extractor.mat if mode == "mat" else extractor.inl)[class_id].node
+        active.add(key)
         args = []
         for child in en.children:
             if child in extractor.inline_of:
-                args.append(Node.make("inline", (make(extractor.inline_of[child], "inline"),)))
+                args.append(operand(extractor.inline_of[child], "inline"))
             else:
-                args.append(make(child, "mat"))
+                args.append(operand(child, "mat"))
+        active.discard(key)
         if en.op == "input":
             node = inputs[en.attrs["name"]]
         elif en.op in ("const", "extern"):
