@@ -46,18 +46,22 @@ def kernels_cell(row) -> str:
 
 
 def markdown_table(rows, max_foreign_load: float = 0.1) -> str:
-    head = ("| workload | eager ms | inductor ms | ours ms | ours/inductor speedup | ours/eager speedup "
-            "| ours kernels | compile s (inductor, ours) |")
-    lines = [head, "|" + "---|" * 8]
+    autotuned = any("inductor_max" in row["compile_s"] for row in rows)
+    head = ("| workload | eager ms | inductor ms | " + ("inductor max-autotune ms | " if autotuned else "")
+            + "ours ms | ours/inductor speedup | ours/eager speedup | ours kernels | compile s (inductor, "
+            + ("max-autotune, " if autotuned else "") + "ours) |")
+    lines = [head, "|" + "---|" * (9 if autotuned else 8)]
     for row in rows:
-        comp = f"{fmt_s(row['compile_s'].get('inductor'))}, {fmt_s(row['compile_s'].get('ours'))}"
+        compiles = ["inductor"] + (["inductor_max"] if autotuned else []) + ["ours"]
+        comp = ", ".join(fmt_s(row["compile_s"].get(v)) for v in compiles)
         lines.append(f"| {row['workload']} | {cell_ms(row, 'eager')} | {cell_ms(row, 'inductor')} | "
-                     f"{cell_ms(row, 'ours')} | {fmt_x(row.get('speedup_vs_inductor'))} | "
+                     + (f"{cell_ms(row, 'inductor_max')} | " if autotuned else "")
+                     + f"{cell_ms(row, 'ours')} | {fmt_x(row.get('speedup_vs_inductor'))} | "
                      f"{fmt_x(row.get('speedup_vs_eager'))} | {kernels_cell(row)} | {comp} |")
     gi = geomean([r.get("speedup_vs_inductor") for r in rows])
     ge = geomean([r.get("speedup_vs_eager") for r in rows])
     n = sum(1 for r in rows if r.get("speedup_vs_inductor"))
-    lines.append(f"| **geomean** | | | | **{fmt_x(gi)}** | **{fmt_x(ge)}** | | |")
+    lines.append(f"| **geomean** | | | {'| ' if autotuned else ''}| **{fmt_x(gi)}** | **{fmt_x(ge)}** | | |")
     lines.append("")
     noisy = [f"{r['workload']} ({100 * r['foreign_load']:.0f}%)" for r in rows
              if r.get("foreign_load") is not None and r["foreign_load"] > max_foreign_load]
@@ -65,8 +69,8 @@ def markdown_table(rows, max_foreign_load: float = 0.1) -> str:
         lines.append("WARNING: other processes took a noticeable share of the CPUs while timing: "
                      + ", ".join(noisy) + "; treat those rows as noisy.")
         lines.append("")
-    lines.append(f"speedup = baseline ms / ours ms (>1: ours faster); geometric mean over the {n} workload(s) "
-                 "where both times exist.")
+    lines.append(f"speedup = baseline ms / ours ms (>1: ours faster; against the better of Inductor's default "
+                 f"and max-autotune where both ran); geometric mean over the {n} workload(s) where both times exist.")
     return "\n".join(lines)
 
 
