@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import strategies as st
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 MODES = ("default", "zero", "int", "multi", "long")
 MAX_NUMEL = 4096  # per value; "long" mode (rows longer than a row kernel's stack stash) allows LONG_NUMEL
@@ -257,14 +258,17 @@ class _Ctx:
         return val
 
     def _too_big(self, expr: str) -> bool:
+        """The step, run on meta tensors: is its result, or any value inside it
+        (`(a @ b.mT) @ c` builds a score matrix nobody returns), over the limit?"""
         meta = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in self.env.items()}
+        sizes = _LargestValue()
         try:
-            with warnings.catch_warnings():
+            with warnings.catch_warnings(), sizes:
                 warnings.simplefilter("ignore")
                 value = eval(expr, {"torch": torch, "F": F}, meta)
         except Exception:  # noqa: BLE001 - no meta kernel, or data-dependent: the real run decides
             return False
-        return isinstance(value, torch.Tensor) and (value.dim() > MAX_RANK or value.numel() > _limit)
+        return sizes.largest > _limit or (isinstance(value, torch.Tensor) and value.dim() > MAX_RANK)
 
     def _attention_too_big(self, expr: str) -> bool:
         m = re.search(r"scaled_dot_product_attention\((\w+), (\w+)", expr)
@@ -281,6 +285,20 @@ class _Ctx:
     def size(self) -> int:
         """A size to expand a dim to: one of the program's sizes."""
         return self.d.choice(sorted(set(self.sizes) - ({0} if self.mode != "zero" else set())) or [1])
+
+
+class _LargestValue(TorchDispatchMode):
+    """The most elements of any tensor an op produces while it is active."""
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
 
 
 def _broadcasts(a: Val, b: Val) -> bool:
