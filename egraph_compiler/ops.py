@@ -159,16 +159,19 @@ def _scalar_reference(tensors, a):
 def _sdpa(t, a):
     q, k, v = t[:3]
     mask = t[3] if len(t) > 3 else None
-    if not q.is_cuda:
+
+    def call(q, k, v):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=a["causal"], scale=a["scale"])
+    if not q.is_cuda:
+        return call(q, k, v)
     # torch's fused CUDA kernels refuse misaligned views ("query is not correctly aligned") and some
     # head sizes with a mask ("no kernel found to launch"): aligned copies, and the math kernel after that
     q, k, v = (x.contiguous() for x in (q, k, v))
     try:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=a["causal"], scale=a["scale"])
+        return call(q, k, v)
     except RuntimeError:
         with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=a["causal"], scale=a["scale"])
+            return call(q, k, v)
 
 
 OPS: dict[str, OpDef] = {}

@@ -88,8 +88,6 @@ def load(data: dict, graph: Graph, names: dict[int, str] | None = None) -> EClas
         attrs = {name: value(k, kind) for (name, kind), k in zip(opdef.attrs, kids[opdef.arity:])}
         classes.setdefault(node["eclass"], []).append(ENode(op, tuple(kids[:opdef.arity]), attrs))
     roots: dict[int, str] = {}
-    where_of_global = {names[id(n)]: graph.where[id(n)] for n in graph.topo()
-                       if names and id(n) in names and id(n) in graph.where}
     node_of_global = {names[id(n)]: n for n in graph.topo() if names and id(n) in names}
     where: dict[str, str] = {}
     original: dict[str, Node] = {}
@@ -97,11 +95,11 @@ def load(data: dict, graph: Graph, names: dict[int, str] | None = None) -> EClas
         for name in info.get("let", "").split(", "):
             if name.startswith("$out"):
                 roots[int(name[4:])] = class_id
-                continue
-            if name in where_of_global:
-                where.setdefault(class_id, where_of_global[name])
-            if name in node_of_global:
-                original.setdefault(class_id, node_of_global[name])
+            elif name in node_of_global:
+                node = node_of_global[name]
+                original.setdefault(class_id, node)
+                if id(node) in graph.where:
+                    where.setdefault(class_id, graph.where[id(node)])
     return EClassGraph(classes, [roots[i] for i in range(len(roots))], where=where, original=original)
 
 
