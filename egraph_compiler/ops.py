@@ -140,7 +140,13 @@ def sdpa_shape(shapes, a):
     q, k, v = shapes[:3]
     if q[-1] != k[-1] or k[-2] != v[-2]:
         raise ShapeError(f"sdpa: q {list(q)}, k {list(k)}, v {list(v)} do not agree")
-    return broadcast(q[:-2], k[:-2], v[:-2]) + (q[-2], v[-1])
+    batch = broadcast(q[:-2], k[:-2], v[:-2])
+    if len(shapes) > 3:  # the mask's batch dims broadcast with q, k and v's (as the primitive form does)
+        m = shapes[3]
+        if broadcast(m[-2:], (q[-2], k[-2])) != (q[-2], k[-2]):
+            raise ShapeError(f"sdpa: mask {list(m)} does not broadcast to the scores {[q[-2], k[-2]]}")
+        batch = broadcast(batch, m[:-2])
+    return batch + (q[-2], v[-1])
 
 
 def linear_shape(shapes, a):
@@ -159,6 +165,9 @@ def _scalar_reference(tensors, a):
 def _sdpa(t, a):
     q, k, v = t[:3]
     mask = t[3] if len(t) > 3 else None
+    if mask is not None:  # torch refuses a mask with more batch than q: broadcast q, k and v to it
+        batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2], mask.shape[:-2])
+        q, k, v = (x.expand(*batch, *x.shape[-2:]) for x in (q, k, v))
 
     def call(q, k, v):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=a["causal"], scale=a["scale"])

@@ -405,3 +405,17 @@ def test_extraction_breaks_cycles_between_classes_choices():
     g = torch.Generator().manual_seed(17154)
     x0, x1 = torch.rand((2, 2, N), generator=g) * 4 - 2, torch.rand((2, 1, N), generator=g) * 4 - 2
     same(egc.compile(fn, [x0, x1]), fn, x0, x1, rtol=1e-4)
+
+
+@pytest.mark.parametrize("mask_shape, recomposed", [((2, 2, 8, 8), True), ((1, 3, 8, 8), True),
+                                                    ((1, 3, 1, 8), False), ((8,), False)])
+def test_attention_mask_with_more_batch_than_q(mask_shape, recomposed):
+    """A masked attention whose mask broadcasts over more batch than q, k and v: the primitive form
+    broadcasts, and torch's sdpa refuses it.  The recomposition was ill-shaped (an UnsoundRuleError)."""
+    def fn(q, m):
+        return torch.softmax((q @ q.transpose(-2, -1)) * 0.5 + m, dim=-1) @ q
+    q, m = torch.randn(2, 1, 8, 4), torch.randn(*mask_shape)
+    compiled = egc.compile(fn, [q, m])
+    same(compiled, fn, q, m)
+    # the rule asks for a mask of full rows (size(m, -2) == size(q, -2)); a row-broadcast one stays primitive
+    assert ("sdpa_mask" in str(compiled.plan)) == recomposed
