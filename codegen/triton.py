@@ -40,6 +40,7 @@ SCALAR_OPS = {
     "cast": "({0}).to({dtype}).to(tl.float32)",  # round to the dtype, keep computing in float32
     "add": "(({0}) + ({1}))", "sub": "(({0}) - ({1}))", "mul": "(({0}) * ({1}))", "div": "(({0}) / ({1}))",
     "maximum": "_egc_maximum({0}, {1})", "pow": "_egc_pow({0}, {1})",
+    "pow_scalar_base": "_egc_pow(({0}) + tl.zeros_like({1}), {1})",  # (tl.zeros_like of a float fails on GPU)
     "gt": "(({0}) > ({1}))", "ge": "(({0}) >= ({1}))", "lt": "(({0}) < ({1}))", "le": "(({0}) <= ({1}))",
     "eq": "(({0}) == ({1}))", "ne": "(({0}) != ({1}))",
     "where": "tl.where({0}, {1}, {2})",

@@ -68,6 +68,8 @@ def render_expr(expr, target: Target, load: Callable[[Load], str], acc: Callable
         if e.op == "pow" and isinstance(e.args[1], Const) and e.args[1].value in target.pow_special:
             return target.pow_special[e.args[1].value].format(walk(e.args[0]))
         fmt = target.ops.get(e.op)
+        if e.op == "pow" and isinstance(e.args[0], Const) and not isinstance(e.args[1], Const):
+            fmt = target.ops.get("pow_scalar_base", fmt)  # 2.0 ** x: a target may need the base as a block
         if fmt is None:
             raise KeyError(f"no scalar formula for {e.op} in {target.language}")
         return fmt.format(*(walk(a) for a in e.args), dtype=target.dtype_names.get(e.dtype, e.dtype))

@@ -24,6 +24,8 @@ CASES = {
                                 [(1, 2, 3, 33), (1, 2, 3, 3)]),
     # a stored constant (the NaN mean of no elements) was a Python float to Triton
     "mean_of_nothing": (lambda x: torch.sqrt(x.mean().abs() + 0.5), [(0, 2, 3, 3)]),
+    # a constant base of pow was given to tl.zeros_like, which Triton on a GPU refuses (the interpreter takes it)
+    "pow_scalar_base": (lambda x: torch.pow(2.0, torch.tanh(x)), [(2, 8, 8)]),
     "nan_constant": (lambda x: torch.where(x > 0, x, float("nan")).sum(-1), [(4, 8)]),
 }
 
