@@ -98,24 +98,86 @@ def explain(fn, example_inputs, **kwargs) -> Levels:
     return compile(fn, example_inputs, **kwargs).levels
 
 
+_PLANS: list = []  # plans compiled through backend="egraph", most recent last (see last_plans)
+
+
+def last_plans(clear: bool = False) -> list:
+    """The plans compiled through `torch.compile(..., backend="egraph")` in this
+    process, most recent last (one per graph, and one per size of a dynamic
+    graph): what a test inspects.  `clear=True` empties the record."""
+    plans = list(_PLANS)
+    if clear:
+        _PLANS.clear()
+    return plans
+
+
 def dynamo_backend(gm, example_inputs, **kwargs):
     """`torch.compile(model, backend="egraph")`: compile each captured graph.
 
-    Graphs with symbolic sizes (Dynamo's automatic dynamic shapes, after a
-    shape change) are not compiled: they run eagerly, with a warning."""
-    if not all(isinstance(x, torch.Tensor) and all(isinstance(d, int) for d in x.shape) for x in example_inputs):
-        warnings.warn("egraph-compiler: a graph with dynamic shapes runs eagerly (compile with "
-                      "torch.compile(..., dynamic=False) to compile each shape)", stacklevel=2)
-        return gm.forward
-    if torch.is_grad_enabled() and any(x.requires_grad for x in example_inputs):
+    A graph with symbolic sizes (`dynamic=True`, or Dynamo's automatic dynamic
+    shapes after a shape change) is compiled once per distinct size it is
+    called with: the plan and kernels are specialised to each size (sizes are
+    not kernel arguments yet), and a size seen before reuses its program.
+    `torch.compile(..., options={...})` passes `compile`'s keyword arguments
+    (target, rules, disable, ...); `mode` is accepted and has no effect yet."""
+    kwargs = {k: v for k, v in kwargs.items() if k not in ("options", "mode")} | dict(kwargs.get("options") or {})
+    if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs):
         warnings.warn(EagerFallbackWarning(
             "egraph-compiler: this graph needs gradients and compiled programs are inference-only for now: "
             "it runs eagerly (use torch.no_grad() for compiled inference)"), stacklevel=2)
         return gm.forward
-    compiled = compile(gm, list(example_inputs), **kwargs)
+    per_size = _PerSize(gm, kwargs)
+    if all(isinstance(x, torch.Tensor) and all(isinstance(d, int) for d in x.shape) for x in example_inputs):
+        per_size.compile(list(example_inputs))  # a static graph: compiled now, as Dynamo expects
 
-    def run(*args):
-        out = compiled(*args)
-        return out if isinstance(out, tuple) else (out,)
-    run.compiled = compiled
+    def run(*args):  # (a plain function: Dynamo's frame evaluation crashed on a callable object)
+        return per_size(*args)
+    run.compiled = per_size.compiled
     return run
+
+
+def _bind_sizes(gm: torch.fx.GraphModule, args: list) -> torch.fx.GraphModule:
+    """The graph with its non-tensor arguments (SymInts at capture) replaced by
+    this call's values: a static graph over the tensor arguments alone."""
+    graph, env = torch.fx.Graph(), {}
+    placeholders = iter(args)
+    for node in gm.graph.nodes:
+        value = next(placeholders) if node.op == "placeholder" else None
+        if node.op == "placeholder" and not isinstance(value, torch.Tensor):
+            env[node] = value
+        else:
+            env[node] = graph.node_copy(node, lambda n: env[n])
+    return torch.fx.GraphModule(gm, graph)
+
+
+class _PerSize:
+    """A Dynamo graph, compiled for each distinct (shape, dtype, device) of its
+    tensor arguments and each value of its size arguments (SymInts at capture)."""
+    LIMIT = 16  # sizes kept; more evict the least recently used
+
+    def __init__(self, gm, kwargs):
+        self.gm, self.kwargs, self.programs, self.compiled = gm, kwargs, {}, None
+
+    @staticmethod
+    def _key(args) -> tuple:
+        return tuple((tuple(a.shape), a.dtype, a.device) if isinstance(a, torch.Tensor) else (type(a), a)
+                     for a in args)
+
+    def compile(self, args: list):
+        slots = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        gm = self.gm if len(slots) == len(args) else _bind_sizes(self.gm, args)
+        compiled = compile(gm, [args[i] for i in slots], **self.kwargs)
+        self.programs[self._key(args)] = (compiled, slots)
+        while len(self.programs) > self.LIMIT:
+            del self.programs[next(iter(self.programs))]
+        _PLANS.append(compiled.plan)
+        self.compiled = compiled  # the latest, for tests
+        return compiled, slots
+
+    def __call__(self, *args):
+        key = self._key(args)
+        entry = self.programs.pop(key, None)
+        compiled, slots = entry if entry is not None else self.compile(list(args))
+        self.programs[key] = (compiled, slots)  # most recently used last
+        out = compiled(*(args[i] for i in slots))
+        return out if isinstance(out, tuple) else (out,)

@@ -1,6 +1,7 @@
 """The public API: caching, explain, debug output, limits, input errors,
 modules, the torch.compile backend, the CLI and the examples."""
 import importlib.util
+import warnings
 from pathlib import Path
 
 import pytest
@@ -158,12 +159,38 @@ def test_torch_compile_backend_across_shapes():
     def scaled_relu(x):
         return torch.relu(x) * 2.0
     torch._dynamo.reset()
+    egc.last_plans(clear=True)
     fixed = torch.compile(scaled_relu, backend="egraph", dynamic=False)
     automatic = torch.compile(scaled_relu, backend="egraph")
-    for rows in (4, 5, 6):
-        x = torch.randn(rows, 8)
-        torch.testing.assert_close(fixed(x), scaled_relu(x))
-        torch.testing.assert_close(automatic(x), scaled_relu(x))  # dynamic graphs run eagerly, with a warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no eager fallback, no warning
+        for rows in (4, 5, 6):
+            x = torch.randn(rows, 8)
+            torch.testing.assert_close(fixed(x), scaled_relu(x))
+            torch.testing.assert_close(automatic(x), scaled_relu(x))
+    plans = egc.last_plans()
+    # fixed: one graph per size (3); automatic: 4 static, then one dynamic graph compiled for 5 and 6
+    assert sorted(p.graph.inputs[0].shape for p in plans) == [(4, 8), (4, 8), (5, 8), (5, 8), (6, 8), (6, 8)]
+    assert all(k.kind == "generated" for p in plans for k in p.kernels)
+
+
+@pytest.mark.parametrize("target", ["cpu", "triton"])
+def test_dynamic_graphs_compile_per_size_and_reuse_each_size(target):
+    """`dynamic=True` hands over sizes as SymInt arguments (here the reshape's row count):
+    each distinct size compiles once, a size seen before reuses its program."""
+    def fn(x, y):
+        return torch.softmax(x.reshape(-1, y.shape[-1]) + y, dim=-1).sum(0)
+    torch._dynamo.reset()
+    egc.last_plans(clear=True)
+    compiled = torch.compile(fn, backend="egraph", dynamic=True, options={"target": target})
+    sizes = [(2, 3), (1, 7), (2, 3), (4, 1), (0, 5)]
+    with torch.no_grad():
+        for b, n in sizes:
+            x, y = torch.randn(b, 4, n), torch.randn(n)
+            torch.testing.assert_close(compiled(x, y), fn(x, y))
+    plans = egc.last_plans()
+    assert len(plans) == len(set(sizes))
+    assert [p.graph.inputs[0].shape for p in plans if len(p.graph.inputs[0].shape) == 3][:2] == [(2, 4, 3), (1, 4, 7)]
 
 
 def test_dtypes_the_cpp_target_does_not_generate_run_through_aten_and_are_listed():
