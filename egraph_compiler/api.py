@@ -130,7 +130,7 @@ def dynamo_backend(gm, example_inputs, **kwargs):
     if all(isinstance(x, torch.Tensor) and all(isinstance(d, int) for d in x.shape) for x in example_inputs):
         per_size.compile(list(example_inputs))  # a static graph: compiled now, as Dynamo expects
 
-    def run(*args):  # (a plain function: Dynamo's frame evaluation crashed on a callable object)
+    def run(*args):
         return per_size(*args)
     run.compiled = per_size.compiled
     return run
