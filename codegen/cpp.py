@@ -18,6 +18,7 @@ PARALLEL_MIN = 1 << 15  # below this many elements, threads cost more than they 
 
 SCALAR_OPS = {
     "exp": "expf({0})", "log": "logf({0})", "tanh": "tanhf({0})", "erf": "erff({0})",
+    "cos": "cosf({0})", "sin": "sinf({0})",
     "relu": "std::max({0}, 0.0f)", "sigmoid": "(1.0f / (1.0f + expf(-({0}))))", "neg": "(-({0}))",
     "abs": "std::fabs({0})", "sqrt": "sqrtf({0})", "rsqrt": "(1.0f / sqrtf({0}))",
     "silu": "(({0}) / (1.0f + expf(-({0}))))",
@@ -40,6 +41,8 @@ __attribute__((simd("notinbranch"))) float expf(float);
 __attribute__((simd("notinbranch"))) float logf(float);
 __attribute__((simd("notinbranch"))) float tanhf(float);
 __attribute__((simd("notinbranch"))) float erff(float);
+__attribute__((simd("notinbranch"))) float cosf(float);
+__attribute__((simd("notinbranch"))) float sinf(float);
 __attribute__((simd("notinbranch"))) float powf(float, float);
 }
 #endif

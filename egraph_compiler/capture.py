@@ -24,6 +24,7 @@ from .graph import TENSOR_SLOT, WEAK, Bound, ExternCall, Graph, Literal, Node, c
 
 aten = torch.ops.aten
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))  # torch's frames are not the user's source
 
 
 class _Wrap(torch.nn.Module):
@@ -146,7 +147,7 @@ def user_line(fx_node) -> str:
     trace = fx_node.meta.get("stack_trace") or ""
     lines = [ln.strip() for ln in trace.strip().splitlines()]
     for i in range(len(lines) - 1, -1, -1):
-        if lines[i].startswith("File ") and "site-packages" not in lines[i] and _PACKAGE_DIR not in lines[i]:
+        if lines[i].startswith("File ") and _TORCH_DIR not in lines[i] and _PACKAGE_DIR not in lines[i]:
             code = lines[i + 1] if i + 1 < len(lines) else ""
             return f"{lines[i]}: {code}"
     return f"<no source line> ({fx_node.name})"
@@ -358,8 +359,11 @@ def _softmax(op, internal=False):
 
 
 def _sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    if dropout_p != 0.0 or enable_gqa:
+    if dropout_p != 0.0:
         return None
+    heads = [x.shape[-3] if len(x.shape) >= 3 else None for x in (q, k, v)]
+    if enable_gqa and not (ops.gqa(q.shape, k.shape, v.shape) or heads[1] == heads[2] in (1, heads[0])):
+        return None  # (GQA over equal heads, or one k/v head, is plain broadcasting attention)
     scale = float(scale) if scale is not None else q.shape[-1] ** -0.5
     if attn_mask is not None:
         return Node.make("sdpa_mask", (q, k, v, _t(attn_mask)), {"scale": scale, "causal": bool(is_causal)})
@@ -428,7 +432,7 @@ CONVERTERS = {
     aten.rsub.Tensor: lambda x, other, alpha=1: _binary("sub")(other, x, alpha) if alpha == 1 else None,
     aten.reciprocal.default: lambda x: Node.make("div", (const(1.0), x)),
 }
-for _name in ["exp", "log", "tanh", "erf", "relu", "sigmoid", "neg", "abs", "sqrt", "rsqrt", "silu"]:
+for _name in ["exp", "log", "tanh", "erf", "cos", "sin", "relu", "sigmoid", "neg", "abs", "sqrt", "rsqrt", "silu"]:
     CONVERTERS[getattr(aten, _name).default] = _unary(_name)
 for _name in ["add", "sub", "mul", "maximum", "gt", "ge", "lt", "le", "eq", "ne"]:
     for _overload in ("Tensor", "Scalar", "default"):

@@ -136,10 +136,20 @@ def first_shape(shapes, a):
     return shapes[0]
 
 
+def gqa(q, k, v) -> bool:
+    """Grouped-query attention (torch's `enable_gqa`): k and v have fewer heads (dim -3) than q,
+    and each of theirs serves q.shape[-3] // k.shape[-3] of q's.  Equal or single k/v heads
+    broadcast instead (a single head serves all of q's either way)."""
+    return (len(q) == len(k) == len(v) >= 3 and k[-3] == v[-3] and k[-3] not in (1, q[-3])
+            and q[-3] % k[-3] == 0 and k[:-3] == v[:-3])
+
+
 def sdpa_shape(shapes, a):
     q, k, v = shapes[:3]
     if q[-1] != k[-1] or k[-2] != v[-2]:
         raise ShapeError(f"sdpa: q {list(q)}, k {list(k)}, v {list(v)} do not agree")
+    if gqa(q, k, v):  # grouped-query attention: k and v's heads serve groups of q's heads
+        k, v = (x[:-3] + (q[-3],) + x[-2:] for x in (k, v))
     batch = broadcast(q[:-2], k[:-2], v[:-2])
     if len(shapes) > 3:  # the mask's batch dims broadcast with q, k and v's (as the primitive form does)
         m = shapes[3]
@@ -165,12 +175,16 @@ def _scalar_reference(tensors, a):
 def _sdpa(t, a):
     q, k, v = t[:3]
     mask = t[3] if len(t) > 3 else None
+    grouped = gqa(q.shape, k.shape, v.shape)
     if mask is not None:  # torch refuses a mask with more batch than q: broadcast q, k and v to it
-        batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2], mask.shape[:-2])
-        q, k, v = (x.expand(*batch, *x.shape[-2:]) for x in (q, k, v))
+        batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-3] + q.shape[-3:-2] if grouped else k.shape[:-2],
+                                       v.shape[:-3] + q.shape[-3:-2] if grouped else v.shape[:-2], mask.shape[:-2])
+        kv_batch = batch[:-1] + k.shape[-3:-2] if grouped else batch
+        q, k, v = q.expand(*batch, *q.shape[-2:]), k.expand(*kv_batch, *k.shape[-2:]), v.expand(*kv_batch, *v.shape[-2:])
 
     def call(q, k, v):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=a["causal"], scale=a["scale"])
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=a["causal"], scale=a["scale"],
+                                              enable_gqa=grouped)
     if not q.is_cuda:
         return call(q, k, v)
     # torch's fused CUDA kernels refuse misaligned views ("query is not correctly aligned") and some
@@ -198,6 +212,7 @@ _op("const", "source", 0, [("value", "float")], leaf_shape, 0, _scalar_reference
 # pointwise: unary
 for _name, _flops, _fn in [
     ("exp", 4, torch.exp), ("log", 4, torch.log), ("tanh", 6, torch.tanh), ("erf", 8, torch.erf),
+    ("cos", 6, torch.cos), ("sin", 6, torch.sin),
     ("relu", 1, torch.relu), ("sigmoid", 6, torch.sigmoid), ("neg", 1, torch.neg),
     ("abs", 1, torch.abs), ("sqrt", 2, torch.sqrt), ("rsqrt", 2, torch.rsqrt),
     ("silu", 6, F.silu), ("gelu", 10, F.gelu), ("gelu_tanh", 12, lambda x: F.gelu(x, approximate="tanh")),

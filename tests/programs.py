@@ -339,7 +339,7 @@ def _norm(dims, rank):
 
 CONSTS = [0.5, 2.0, -1.5, 3.0, 0.1, -0.25]
 UNARY_FLOAT = [
-    "torch.tanh({x})", "torch.sigmoid({x})", "torch.relu({x})", "{x}.abs()", "-{x}",
+    "torch.tanh({x})", "torch.cos({x})", "torch.sin({x}) * 2", "torch.sigmoid({x})", "torch.relu({x})", "{x}.abs()", "-{x}",
     "torch.exp({x}.clamp(-6.0, 3.0))", "torch.exp(3.0 - torch.relu(3.0 - {x}))",
     "torch.sqrt({x}.abs() + {eps})", "torch.log({x}.abs() + 1.0)", "torch.erf({x})", "F.gelu({x})",
     "F.gelu({x}, approximate='tanh')", "F.silu({x})", "torch.rsqrt({x}.abs() + 0.5)",

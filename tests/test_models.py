@@ -63,3 +63,10 @@ def test_transformers_model_through_torch_compile(name):
     key = "logits" if hasattr(expected, "logits") else "last_hidden_state"
     torch.testing.assert_close(getattr(got, key), getattr(expected, key), atol=1e-4, rtol=1e-4)
     assert compiled_graphs and all(len(c.plan.kernels) for c in compiled_graphs)
+    fallbacks = [f for c in compiled_graphs for f in c.plan.fallbacks]
+    # every fallback names the model's own source line (transformers' modeling file), not a torch frame
+    assert all(("<no source line>" not in f) and ("modeling_" in f or "cache_utils" in f) for f in fallbacks), fallbacks
+    # attention is one library sdpa per layer: grouped-query attention (LLaMA's 2 of 4 KV heads) included
+    assert sum(c.plan.count("sdpa") + c.plan.count("sdpa_mask") for c in compiled_graphs) == 2, \
+        [str(c.plan) for c in compiled_graphs]
+    assert not any("scaled_dot_product_attention" in f for f in fallbacks), fallbacks

@@ -77,6 +77,8 @@ CASES: list[OpCase] = [
     C("log_positive", "log", torch.log, lambda: (pos(3, 5),)),
     C("tanh_noncontig_t", "tanh", torch.tanh, lambda: (randn(6, 4).t(),)),
     C("erf", "erf", torch.erf, lambda: (randn(2, 3, 4),)),
+    C("cos_large_args", "cos", torch.cos, lambda: (randn(3, 7) * 100,)),
+    C("sin_noncontig_t", "sin", torch.sin, lambda: (randn(5, 4).t() * 10,)),
     C("relu_nan", "relu", torch.relu, lambda: (with_nan(4, 5),)),
     C("sigmoid_wide_range", "sigmoid", torch.sigmoid, lambda: (randn(3, 5) * 20,)),
     C("neg_1elem", "neg", torch.neg, lambda: (randn(1),)),
@@ -168,6 +170,13 @@ CASES: list[OpCase] = [
       lambda q, k, v, m, bm: (F.scaled_dot_product_attention(q, k, v, attn_mask=m),
                               F.scaled_dot_product_attention(q, k, v, attn_mask=bm)),
       lambda: (randn(2, 2, 5, 8), randn(2, 2, 6, 8), randn(2, 2, 6, 4), randn(5, 6), bools(5, 6))),
+    C("sdpa_grouped_query", "sdpa",  # k/v heads serve groups of q's heads (torch's enable_gqa)
+      lambda q, k, v: (F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
+                       F.scaled_dot_product_attention(q, k[:, :1], v[:, :1], is_causal=True, enable_gqa=True)),
+      lambda: (randn(2, 6, 5, 8), randn(2, 3, 7, 8), randn(2, 3, 7, 4))),
+    C("sdpa_grouped_query_mask_over_heads", "sdpa_mask",
+      lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True),
+      lambda: (randn(2, 4, 5, 8), randn(2, 2, 5, 8), randn(2, 2, 5, 8), randn(1, 4, 5, 5))),
     # ---- an op outside the vocabulary, feeding a generated kernel ----
     C("extern_cumprod_then_exp", "exp", lambda x: torch.exp(torch.cumprod(x, -1)), lambda: (randn(3, 5),),
       fallback="aten.cumprod"),
