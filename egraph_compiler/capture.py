@@ -418,6 +418,7 @@ CONVERTERS = {
     aten.clone.default: _identity, aten.alias.default: _identity, aten.detach.default: _identity,
     aten.contiguous.default: _identity, aten.lift_fresh_copy.default: _identity,
     aten._to_copy.default: _cast, aten.to.dtype: lambda x, dtype, *a, **k: _cast(x, dtype),
+    aten.type_as.default: lambda x, other: _cast(x, other.dtype),
     aten.softmax.int: _softmax("softmax"), aten._softmax.default: _softmax("softmax", internal=True),
     aten.log_softmax.int: _softmax("log_softmax"),
     aten._log_softmax.default: _softmax("log_softmax", internal=True),

@@ -70,3 +70,36 @@ def test_transformers_model_through_torch_compile(name):
     assert sum(c.plan.count("sdpa") + c.plan.count("sdpa_mask") for c in compiled_graphs) == 2, \
         [str(c.plan) for c in compiled_graphs]
     assert not any("scaled_dot_product_attention" in f for f in fallbacks), fallbacks
+
+
+def _hf_layers():
+    from transformers.activations import GELUActivation, NewGELUActivation, SiLUActivation
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from transformers.models.t5.modeling_t5 import T5LayerNorm
+    return {  # name: (module, the composite its written-out form must become)
+        "gpt2_gelu_new_pow": (NewGELUActivation, "gelu_tanh"), "bert_gelu": (GELUActivation, "gelu"),
+        "silu": (SiLUActivation, "silu"), "t5_rms_norm": (lambda: T5LayerNorm(32), "rms_norm"),
+        "llama_rms_norm_in_fp32": (lambda: LlamaRMSNorm(32), "rms_norm"),
+        "gemma_rms_norm_one_plus_w": (lambda: GemmaRMSNorm(32), "rms_norm"),
+    }
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["gpt2_gelu_new_pow", "bert_gelu", "silu", "t5_rms_norm",
+                                  "llama_rms_norm_in_fp32", "gemma_rms_norm_one_plus_w"])
+def test_hf_activations_and_norms_as_written_become_composites(name, dtype):
+    """Each model family's own spelling (pow(x, 3) in GPT-2's gelu, norms computed in float32 on
+    bf16 inputs and cast back with type_as, Gemma's (1 + w)) is recognised: one composite, no ATen."""
+    make, composite = _hf_layers()[name]
+    torch.manual_seed(0)
+    layer = make().to(dtype)
+    for p in layer.parameters():
+        torch.nn.init.normal_(p)
+    x = (torch.randn(2, 5, 32) * 2).to(dtype)
+    with torch.no_grad():
+        compiled = egc.compile(layer, [x])
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(compiled(x), layer(x), atol=tol, rtol=tol)
+    assert compiled.plan.count(composite) == 1, str(compiled.plan)
+    assert not compiled.plan.fallbacks
