@@ -118,7 +118,8 @@ class _Kernel:
         names = _variables(e.index)
         mask = {frozenset(): None, frozenset({"o"}): "omask", frozenset({"r"}): "rmask"}.get(frozenset(names), "mask")
         text = f"tl.load({e.param} + ({index})" + (f", mask={mask}, other=0)" if mask else ")")
-        return f"{text}.to(tl.float32)" if self.types[e.param] in ("float16", "bfloat16") else text
+        # narrow floats compute in float32; integers (only ever cast) convert through float32, as C++'s egc_cast
+        return f"{text}.to(tl.float32)" if self.types[e.param] in ("float16", "bfloat16", "int64", "int32") else text
 
     def expr(self, e) -> str:
         return render_expr(e, TABLE, self.load)

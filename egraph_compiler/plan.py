@@ -177,6 +177,20 @@ def kernel_body(root: Node) -> tuple[list[Node], list[Node]]:
     return body, inputs
 
 
+CAST_ONLY = frozenset({"int64", "int32"})  # read by generated code only to be cast (position ids -> float)
+
+
+def _integers_only_cast(body) -> bool:
+    """Integer buffers that the kernel only views and casts: no integer arithmetic (which
+    generated code, computing in float32, would get wrong past 2**24)."""
+    for n in body:
+        if n.group == "layout":
+            continue
+        if n.dtype in CAST_ONLY or (n.op != "cast" and any(a.dtype in CAST_ONLY for a in n.args)):
+            return False
+    return True
+
+
 def _kind(node: Node, body, inputs, target) -> tuple[str, str]:
     """Generated where the target (its `dtypes` and `language`) handles every
     dtype the kernel touches; library calls; ATen for the rest."""
@@ -185,6 +199,8 @@ def _kind(node: Node, body, inputs, target) -> tuple[str, str]:
     if node.group == "library":
         return "library", ""
     dtypes = {n.dtype for n in body} | {i.dtype for i in inputs}
+    if dtypes & CAST_ONLY and _integers_only_cast(body):
+        dtypes -= CAST_ONLY
     if not dtypes <= target.dtypes:
         return "aten", f"dtype {', '.join(sorted(dtypes - target.dtypes))} in {target.language}"
     return "generated", ""

@@ -123,3 +123,39 @@ def test_narrow_floats_are_generated_code_computing_in_float32(name, dtype, targ
     if target == "triton" and dtype == torch.bfloat16:  # the interpreter truncates float32 -> bf16
         ulp = 2 * ulp                                    # (a GPU rounds to nearest even)
     assert bool(((got.float() - exact.float()).abs() <= (want.float() - exact.float()).abs() + ulp).all())
+
+
+INTEGER_CASTS = {  # integer buffers that a kernel only views and casts (rotary position ids, masks)
+    "position_ids_to_float": (lambda p, f: torch.cos(p[..., None].float() * f), [torch.arange(16)[None], None]),
+    "beyond_2_24": (lambda p: p.float() * 1.5, [torch.tensor([2**24 + 1, 2**40 + 3, -(2**31) - 7, 5, 0])]),
+    "int32_to_bf16": (lambda p: p.to(torch.bfloat16) + 1, [torch.arange(-300, 300, 7, dtype=torch.int32)]),
+    "int64_to_f16_transposed": (lambda p: p.t().half() * 2, [torch.arange(-40, 40).reshape(8, 10)]),
+}
+
+
+@pytest.mark.parametrize("target", ["cpu", "triton"])
+@pytest.mark.parametrize("name", sorted(INTEGER_CASTS))
+def test_integers_only_cast_are_read_by_generated_code(name, target):
+    """An integer input that the kernel only views and casts is loaded by generated code
+    (converted through float32, as torch converts); integer arithmetic stays with ATen."""
+    fn, inputs = INTEGER_CASTS[name]
+    inputs = [t if t is not None else torch.rand(8, generator=torch.Generator().manual_seed(0)) for t in inputs]
+    compiled = egc.compile(fn, inputs, target=target)
+    assert [k.kind for k in compiled.plan.kernels] == ["generated"] and not compiled.plan.fallbacks
+    got, want = compiled(*inputs), fn(*inputs)
+    assert got.dtype == want.dtype
+    if name == "position_ids_to_float":  # cos: the vector math library and torch's may differ by an ulp
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    elif target == "triton" and want.dtype == torch.bfloat16:  # the interpreter truncates float32 -> bf16
+        torch.testing.assert_close(got, want, atol=0, rtol=2 * torch.finfo(torch.bfloat16).eps)
+    else:
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+def test_integer_arithmetic_is_not_generated():
+    def fn(p):
+        return (p * 3 + 1).float()  # (int64 arithmetic: exact in torch, not in float32 past 2**24)
+    p = torch.tensor([2**40 + 1, 7])
+    with pytest.warns(UserWarning, match="dtype int64"):
+        compiled = egc.compile(fn, [p])
+    torch.testing.assert_close(compiled(p), fn(p), atol=0, rtol=0)
