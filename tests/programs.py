@@ -548,7 +548,14 @@ def _library(c: _Ctx, x: Val):
             return _unary(c, q)
         vv = c.partner(lambda v: v.rank == 4 and v.dtype == q.dtype and v.shape[:2] == q.shape[:2]
                        and v.shape[-2] == kk.shape[-2]) or kk
-        extra = c.d.choice(["", ", is_causal=True", ", attn_mask=MASK", ", scale=0.5", ", is_causal=True, scale=0.3"])
+        extra = c.d.choice(["", ", is_causal=True", ", attn_mask=MASK", ", scale=0.5", ", is_causal=True, scale=0.3",
+                            ", enable_gqa=True"])
+        if "gqa" in extra:  # grouped-query attention: k and v keep every other head of theirs
+            if q.shape[1] % 2 or kk.shape[1] != q.shape[1]:
+                extra = ""
+            else:
+                kk = c.emit(f"{kk.name}[:, ::2]", kk)
+                vv = c.emit(f"{vv.name}[:, ::2]", vv)
         if "MASK" in extra:
             scores = Val("", q.shape[:-1] + (kk.shape[-2],), q.dtype)
             m = c.partner(lambda v: v.kind != "int" and (v.dtype == torch.bool or v.dtype == q.dtype)
