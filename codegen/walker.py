@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable
 
-from egraph_compiler.loopir import Acc, Affine, Call, Const, Load
+from egraph_compiler.loopir import Acc, Affine, Call, Const, Index, Load
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,8 @@ def render_expr(expr, target: Target, load: Callable[[Load], str], acc: Callable
             return load(e)
         if isinstance(e, Const):
             return target.const(e.value)
+        if isinstance(e, Index):
+            return f"({render_index(e.index, target)})"
         if isinstance(e, Acc):
             return acc(e.name)
         assert isinstance(e, Call), e

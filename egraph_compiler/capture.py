@@ -296,6 +296,18 @@ def _slice(x, dim=0, start=None, end=None, step=1):
     return Node.make("slice", (x,), {"dim": d - r, "start": start, "end": end, "step": step})
 
 
+def _cat(tensors, dim=0):
+    """torch.cat of n tensors: nested two-operand cats (empty operands dropped; torch also skips
+    legacy 1-D empty tensors of another rank)."""
+    tensors = [t for t in tensors if 0 not in t.shape] or list(tensors[:1])
+    if len({len(t.shape) for t in tensors}) != 1:
+        return None
+    out = tensors[0]
+    for t in tensors[1:]:
+        out = Node.make("cat", (out, t), {"dim": ops.norm_dim(dim, len(t.shape)) - len(t.shape)})
+    return out
+
+
 def _split(x, size, dim=0):
     d = ops.norm_dim(dim, len(x.shape))
     sizes = size if isinstance(size, list) else [size] * -(-x.shape[d] // size)
@@ -412,7 +424,7 @@ CONVERTERS = {
     aten.permute.default: lambda x, dims: Node.make("permute", (x,), {"dims": tuple(
         ops.norm_dim(d, len(x.shape)) for d in dims)}),
     aten.view.default: _reshape, aten._unsafe_view.default: _reshape, aten.reshape.default: _reshape,
-    aten.expand.default: _expand, aten.slice.Tensor: _slice, aten.split.Tensor: _split,
+    aten.expand.default: _expand, aten.slice.Tensor: _slice, aten.cat.default: _cat, aten.split.Tensor: _split,
     aten.split_with_sizes.default: _split, aten.squeeze.dim: _squeeze, aten.squeeze.dims: _squeeze,
     aten.squeeze.default: _squeeze, aten.unsqueeze.default: _unsqueeze, aten.select.int: _select,
     aten.clone.default: _identity, aten.alias.default: _identity, aten.detach.default: _identity,

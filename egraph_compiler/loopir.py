@@ -101,6 +101,12 @@ class Load:
 
 
 @dataclass(frozen=True)
+class Index:
+    """A loop index's value (a cat reads one operand or the other by position)."""
+    index: Affine
+
+
+@dataclass(frozen=True)
 class Const:
     value: float
 
@@ -169,6 +175,8 @@ def expr_str(e) -> str:
         return f"{e.param}[{e.index}]"
     if isinstance(e, Const):
         return repr(e.value)
+    if isinstance(e, Index):
+        return f"index({e.index})"
     if isinstance(e, Acc):
         return e.name
     return f"{e.op}(" + ", ".join(expr_str(a) for a in e.args) + ")"

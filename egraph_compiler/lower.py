@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from .errors import CodegenError
 from .graph import Node, computed_nodes, const, inline_edges
-from .loopir import STASH, Acc, Affine, Call, Const, Load, LoopKernel, Param, Reduction, contains, substitute
+from .loopir import STASH, Acc, Affine, Call, Const, Index, Load, LoopKernel, Param, Reduction, contains, substitute
 
 if TYPE_CHECKING:
     from .plan import Kernel
@@ -267,12 +267,30 @@ class _Lowering:
             return self.operand(n, index)
         if n.group == "reduction":
             return self.reduction(n, index)
+        if n.group == "concat":
+            return self.concat(n, index)
         if n.group != "pointwise":
             raise CodegenError(f"{n.op} cannot be computed inside a generated kernel")
         if n.op == "cast" and n.dtype == "bool":  # nonzero is true, in every target
             return Call("ne", (self.operand(n.args[0], index), Const(0.0)))
         return Call(n.op, tuple(self.operand(a, _broadcast_index(index, n.shape, a.shape)) for a in n.args),
                     n.attr("dtype") if n.op == "cast" else "")
+
+    def concat(self, n: Node, index):
+        """cat(a, b): a where the position along dim is below a's size, else b.  Each operand is
+        read at its position modulo its size, so both reads stay in bounds whichever is chosen
+        (a target may evaluate both sides: Triton's `where`, or a vectorised C++ select)."""
+        a, b = n.args
+        d = n.attr("dim") % len(n.shape)
+        na, nb = a.shape[d], b.shape[d]
+        if na == 0 or nb == 0:
+            return self.operand(b if na == 0 else a, index)
+        i = index[d]
+        first, second = list(index), list(index)
+        first[d] = i.mod(na)
+        second[d] = (i + Affine.of(nb * -(-na // nb) - na)).mod(nb)  # (i - na) mod nb, offset kept >= 0
+        return Call("where", (Call("lt", (Index(i), Const(float(na)))),
+                              self.operand(a, first), self.operand(b, second)))
 
     def reduction(self, node: Node, index):
         """The reduction's value at `index` (of its result): an accumulator over

@@ -121,6 +121,14 @@ def expand_shape(shapes, a):
     return out
 
 
+def cat_shape(shapes, a):
+    x, y = shapes
+    d = norm_dim(a["dim"], len(x))
+    if len(x) != len(y) or x[:d] + x[d + 1:] != y[:d] + y[d + 1:]:
+        raise ShapeError(f"cat: {list(x)} and {list(y)} differ outside dim {a['dim']}")
+    return x[:d] + (x[d] + y[d],) + x[d + 1:]
+
+
 def slice_shape(shapes, a):
     (s,) = shapes
     d = norm_dim(a["dim"], len(s))
@@ -244,6 +252,8 @@ _op("expand", "layout", 1, [("shape", "ints")], expand_shape, 0,
 _op("slice", "layout", 1, [("dim", "int"), ("start", "int"), ("end", "int"), ("step", "int")], slice_shape, 0,
     lambda t, a: t[0][(slice(None),) * (a["dim"] % t[0].dim()) + (slice(a["start"], a["end"], a["step"]),)],
     "first")
+# concatenation along one dim (a negative index, as every dim attribute): each element from one operand
+_op("cat", "concat", 2, [("dim", "int")], cat_shape, 0, lambda t, a: torch.cat([t[0], t[1]], a["dim"]))
 # row composites: a reduction plus its re-broadcast epilogue, one kernel each
 _op("softmax", "row", 1, [("dim", "int")], first_shape, 7, lambda t, a: torch.softmax(t[0], a["dim"]))
 _op("log_softmax", "row", 1, [("dim", "int")], first_shape, 7, lambda t, a: torch.log_softmax(t[0], a["dim"]))

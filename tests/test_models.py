@@ -70,6 +70,10 @@ def test_transformers_model_through_torch_compile(name):
     assert sum(c.plan.count("sdpa") + c.plan.count("sdpa_mask") for c in compiled_graphs) == 2, \
         [str(c.plan) for c in compiled_graphs]
     assert not any("scaled_dot_product_attention" in f for f in fallbacks), fallbacks
+    # inside the transformer blocks nothing runs through ATen (rotary embeddings' cat, cos and sin, the
+    # KV cache's cat are generated); only the embeddings before them do (lookups and position ids)
+    embeddings = {"aten.embedding.default", "aten.arange.default", "aten.gather.default"}
+    assert {f.split(" ")[0] for f in fallbacks} <= embeddings, fallbacks
 
 
 def _hf_layers():

@@ -177,6 +177,12 @@ CASES: list[OpCase] = [
     C("sdpa_grouped_query_mask_over_heads", "sdpa_mask",
       lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True),
       lambda: (randn(2, 4, 5, 8), randn(2, 2, 5, 8), randn(2, 2, 5, 8), randn(1, 4, 5, 5))),
+    C("cat_three_uneven_last_dim", "cat", lambda a, b: torch.cat([a, b.exp(), a * 2], -1) + 1,
+      lambda: (randn(3, 5), randn(3, 2))),
+    C("cat_dim0_transposed_and_empty", "cat", lambda a, b, e: torch.cat([a.t(), e, b], 0).sum(-1),
+      lambda: (randn(6, 4), randn(3, 6), randn(0, 6))),
+    C("cat_rotate_half", "cat", lambda q, c, s: q * c + torch.cat((-q[..., 4:], q[..., :4]), -1) * s,
+      lambda: (randn(2, 3, 5, 8), randn(5, 8), randn(5, 8))),
     # ---- an op outside the vocabulary, feeding a generated kernel ----
     C("extern_cumprod_then_exp", "exp", lambda x: torch.exp(torch.cumprod(x, -1)), lambda: (randn(3, 5),),
       fallback="aten.cumprod"),

@@ -230,7 +230,9 @@ def test_trusted_user_rule_skips_the_check():
 
 def test_extern_with_tensor_keyword_arguments():
     fn = lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True)  # noqa: E731
-    q, k, v = torch.randn(1, 4, 6, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
+    # (grouped-query attention is modelled now: a head size of 0, which the op table does not model,
+    # keeps this call an ATen fallback with a tensor passed by keyword)
+    q, k, v = torch.randn(1, 4, 6, 0), torch.randn(1, 2, 6, 0), torch.randn(1, 2, 6, 8)
     m = torch.randn(6, 6)
     with warnings.catch_warnings():  # warned once per process: an earlier test may have seen it
         warnings.simplefilter("ignore")

@@ -23,6 +23,8 @@ KERNELS = {
     "transposed_softmax": (lambda x: torch.softmax(x, -1).t(), [(8, 8)]),
     "scalar_sum": (lambda x: x.sum(), [(3, 4)]),
     "activations": (lambda x: F.gelu(x) + F.gelu(x, approximate="tanh") + torch.tanh(x) + F.silu(x), [(64,)]),
+    "rotary_cat": (lambda q, c: q * c.cos() + torch.cat((-q[..., 3:], q[..., :3]), -1) * c.sin(),
+                   [(2, 5, 6), (5, 6)]),
     "rotary_cos_sin": (lambda x, p: x * torch.cos(p) + torch.sin(p) * x.flip(-1), [(4, 16), (16,)]),
     "grouped_query_attention": (lambda q, k: torch.relu(F.scaled_dot_product_attention(q, k, k, enable_gqa=True)),
                                 [(1, 4, 6, 8), (1, 2, 6, 8)]),

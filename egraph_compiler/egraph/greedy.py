@@ -27,7 +27,7 @@ from ..errors import CodegenError, UnsoundRuleError
 from ..graph import WEAK, Graph, Node
 from .extract import EClassGraph, ENode
 
-INLINE_GROUPS = {"pointwise", "reduction", "layout", "row", "source"}
+INLINE_GROUPS = {"pointwise", "reduction", "layout", "row", "source", "concat"}
 
 
 @dataclass
