@@ -407,6 +407,14 @@ def _linear(x, w, b=None):
     return Node.make("linear", (x, w, b if b is not None else const(0.0)))
 
 
+def _conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
+    pair = (lambda v: tuple(v) * (2 // len(v)) if isinstance(v, (list, tuple)) else (v, v))
+    if isinstance(padding, str) or len(x.shape) != 4:  # padding="same"/"valid", unbatched input: ATen
+        return None
+    return Node.make("conv2d", (x, w, b if b is not None else const(0.0)),
+                     {"stride": pair(stride), "padding": pair(padding), "dilation": pair(dilation), "groups": groups})
+
+
 def _identity(x, *args, **kwargs):
     return x if not kwargs.get("dtype") else None
 
@@ -438,7 +446,7 @@ CONVERTERS = {
     aten.matmul.default: lambda a, b: Node.make("matmul", (a, b)),
     aten.mm.default: lambda a, b: Node.make("matmul", (a, b)),
     aten.bmm.default: lambda a, b: Node.make("matmul", (a, b)),
-    aten.linear.default: _linear,
+    aten.linear.default: _linear, aten.conv2d.default: _conv2d,
     aten.addmm.default: _addmm, aten.scaled_dot_product_attention.default: _sdpa,
     aten.clamp_min.default: lambda x, m: Node.make("maximum", (x, _t(m))),
     aten.rsub.Scalar: lambda x, other, alpha=1: _binary("sub")(other, x, alpha) if alpha == 1 else None,

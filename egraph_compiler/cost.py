@@ -49,6 +49,8 @@ def op_flops(op: str, out_shape, in_shapes) -> float:
     if op in ("matmul", "linear"):
         k = in_shapes[0][-1]
         return 2.0 * math.prod(out_shape) * k
+    if op == "conv2d":  # each output element: a dot product over in_channels/groups x kernel window
+        return 2.0 * math.prod(out_shape) * math.prod(in_shapes[1][1:])
     if op in ("sdpa", "sdpa_mask"):
         q, k = in_shapes[0], in_shapes[1]
         return 4.0 * math.prod(q[:-1]) * k[-2] * q[-1]

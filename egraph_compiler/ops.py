@@ -167,6 +167,23 @@ def sdpa_shape(shapes, a):
     return batch + (q[-2], v[-1])
 
 
+def conv2d_shape(shapes, a):
+    x, w, b = shapes
+    if len(x) != 4 or len(w) != 4 or x[1] != w[1] * a["groups"] or w[0] % a["groups"] or len(b) not in (0, 1):
+        raise ShapeError(f"conv2d: input {list(x)}, weight {list(w)}, groups {a['groups']} do not agree")
+    out = [(n + 2 * p - d * (k - 1) - 1) // s + 1
+           for n, k, s, p, d in zip(x[2:], w[2:], a["stride"], a["padding"], a["dilation"])]
+    if min(out) < 1:
+        raise ShapeError(f"conv2d: kernel {list(w[2:])} larger than the padded input {list(x[2:])}")
+    return (x[0], w[0], *out)
+
+
+def _conv2d(t, a):
+    x, w, b = t
+    return F.conv2d(x, w, b if b.dim() == 1 else None, a["stride"], a["padding"], a["dilation"], a["groups"]) + \
+        (b if b.dim() == 0 else 0)
+
+
 def linear_shape(shapes, a):
     x, w, b = shapes
     return matmul_shape([x, w[::-1]], a)
@@ -265,6 +282,8 @@ _op("rms_norm", "row", 2, [("ndim", "int"), ("eps", "float")], first_shape, 5,
 # library calls
 _op("matmul", "library", 2, [], matmul_shape, 2, lambda t, a: torch.matmul(t[0], t[1]))
 _op("linear", "library", 3, [], linear_shape, 2, lambda t, a: F.linear(t[0], t[1], t[2]))
+_op("conv2d", "library", 3, [("stride", "ints"), ("padding", "ints"), ("dilation", "ints"), ("groups", "int")],
+    conv2d_shape, 2, _conv2d)
 _op("sdpa", "library", 3, [("scale", "float"), ("causal", "bool")], sdpa_shape, 4, _sdpa)
 _op("sdpa_mask", "library", 4, [("scale", "float"), ("causal", "bool")], sdpa_shape, 4, _sdpa)
 # kernel boundary: the operand is computed inside the consumer's kernel (value: identity)

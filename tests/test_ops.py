@@ -170,6 +170,12 @@ CASES: list[OpCase] = [
       lambda q, k, v, m, bm: (F.scaled_dot_product_attention(q, k, v, attn_mask=m),
                               F.scaled_dot_product_attention(q, k, v, attn_mask=bm)),
       lambda: (randn(2, 2, 5, 8), randn(2, 2, 6, 8), randn(2, 2, 6, 4), randn(5, 6), bools(5, 6))),
+    C("conv2d_bias_stride_padding", "conv2d",
+      lambda x, w, b: (F.conv2d(x, w, b, stride=2, padding=1), F.conv2d(x.relu(), w, dilation=(2, 1))),
+      lambda: (randn(2, 4, 9, 8), randn(6, 4, 3, 3), randn(6))),
+    C("conv2d_groups_patchify", "conv2d",  # ViT's patch embedding, then its flatten/transpose
+      lambda x, w: F.conv2d(x, w, stride=4, groups=2).flatten(2).transpose(1, 2) * 2,
+      lambda: (randn(1, 4, 8, 12), randn(6, 2, 4, 4))),
     C("sdpa_grouped_query", "sdpa",  # k/v heads serve groups of q's heads (torch's enable_gqa)
       lambda q, k, v: (F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
                        F.scaled_dot_product_attention(q, k[:, :1], v[:, :1], is_causal=True, enable_gqa=True)),
