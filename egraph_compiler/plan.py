@@ -100,7 +100,7 @@ def _kernels(graph: Graph, profile: DeviceProfile, target) -> Plan:
         if node.group == "source":
             done.add(id(node))
             continue
-        if node.group == "layout" and id(node) not in outputs and node.args[0].op != "inline":
+        if node.group == "layout" and id(node) not in outputs and view_source(node).op != "inline":
             done.add(id(node))
             stack.append((node.args[0], False))  # a view: only its source must exist
             continue
@@ -153,10 +153,17 @@ def kernel_body(root: Node) -> tuple[list[Node], list[Node]]:
     computed: set[int] = set()
     read: set[int] = set()
 
+    calls = root.group == "library" or root.op == "extern"  # they read whole tensors, not index maps
+
     def operand(a: Node) -> None:
+        view = a
         while a.group == "layout":  # views are index maps over their source
             a = a.args[0]
-        if a.op == "inline":
+        if a.op == "inline" and calls and view is not a:
+            if id(view) not in read:  # a view of a fused producer: its own generated kernel
+                read.add(id(view))
+                inputs.append(view)
+        elif a.op == "inline":
             compute(a.args[0])
         elif a.op != "const" and id(a) not in read:
             read.add(id(a))
@@ -245,7 +252,8 @@ def verify_plan(plan: Plan, release: list[list[Node]] | None = None) -> None:
     released: set[int] = set()
     for step, k in enumerate(plan.kernels):
         for i in k.inputs:
-            if i.group in ("layout", "boundary"):
+            # a view is a buffer only where a kernel stored it (a view of a fused producer, for a library call)
+            if i.group == "boundary" or (i.group == "layout" and id(i) not in live):
                 raise PlanError(f"{k.name} reads a view or a boundary ({i.op}) as a buffer")
             if id(i) not in live:
                 when = "after it is released" if id(i) in released else "before it is computed"
