@@ -156,6 +156,8 @@ def test_integer_arithmetic_is_not_generated():
     def fn(p):
         return (p * 3 + 1).float()  # (int64 arithmetic: exact in torch, not in float32 past 2**24)
     p = torch.tensor([2**40 + 1, 7])
-    with pytest.warns(UserWarning, match="dtype int64"):
+    with warnings.catch_warnings():  # warned once per process: an earlier test may have seen it
+        warnings.simplefilter("ignore")
         compiled = egc.compile(fn, [p])
+    assert any("dtype int64" in f for f in compiled.plan.fallbacks), compiled.plan.fallbacks
     torch.testing.assert_close(compiled(p), fn(p), atol=0, rtol=0)
