@@ -5,6 +5,7 @@ import warnings
 
 import torch
 
+from .capture import bind_sizes
 from .errors import EagerFallbackWarning, InputError
 from .pipeline import Levels, Options, run_pipeline
 
@@ -136,20 +137,6 @@ def dynamo_backend(gm, example_inputs, **kwargs):
     return run
 
 
-def _bind_sizes(gm: torch.fx.GraphModule, args: list) -> torch.fx.GraphModule:
-    """The graph with its non-tensor arguments (SymInts at capture) replaced by
-    this call's values: a static graph over the tensor arguments alone."""
-    graph, env = torch.fx.Graph(), {}
-    placeholders = iter(args)
-    for node in gm.graph.nodes:
-        value = next(placeholders) if node.op == "placeholder" else None
-        if node.op == "placeholder" and not isinstance(value, torch.Tensor):
-            env[node] = value
-        else:
-            env[node] = graph.node_copy(node, lambda n: env[n])
-    return torch.fx.GraphModule(gm, graph)
-
-
 class _PerSize:
     """A Dynamo graph, compiled for each distinct (shape, dtype, device) of its
     tensor arguments and each value of its size arguments (SymInts at capture)."""
@@ -165,7 +152,7 @@ class _PerSize:
 
     def compile(self, args: list):
         slots = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
-        gm = self.gm if len(slots) == len(args) else _bind_sizes(self.gm, args)
+        gm = self.gm if len(slots) == len(args) else bind_sizes(self.gm, args)
         compiled = compile(gm, [args[i] for i in slots], **self.kwargs)
         self.programs[self._key(args)] = (compiled, slots)
         while len(self.programs) > self.LIMIT:

@@ -459,3 +459,17 @@ for _name in ["add", "sub", "mul", "maximum", "gt", "ge", "lt", "le", "eq", "ne"
     for _overload in ("Tensor", "Scalar", "default"):
         if hasattr(getattr(aten, _name), _overload):
             CONVERTERS[getattr(getattr(aten, _name), _overload)] = _binary(_name)
+
+
+def bind_sizes(gm: torch.fx.GraphModule, args: list) -> torch.fx.GraphModule:
+    """The graph with its non-tensor arguments (SymInts at capture) replaced by
+    this call's values: a static graph over the tensor arguments alone."""
+    graph, env = torch.fx.Graph(), {}
+    placeholders = iter(args)
+    for node in gm.graph.nodes:
+        value = next(placeholders) if node.op == "placeholder" else None
+        if node.op == "placeholder" and not isinstance(value, torch.Tensor):
+            env[node] = value
+        else:
+            env[node] = graph.node_copy(node, lambda n: env[n])
+    return torch.fx.GraphModule(gm, graph)
