@@ -120,13 +120,13 @@ def dynamo_backend(gm, example_inputs, **kwargs):
     called with: the plan and kernels are specialised to each size (sizes are
     not kernel arguments yet), and a size seen before reuses its program.
     `torch.compile(..., options={...})` passes `compile`'s keyword arguments
-    (target, rules, disable, ...); `mode` is accepted and has no effect yet."""
+    (target, rules, disable, ...); `mode` is accepted and has no effect yet.
+    A graph that needs gradients goes through AOTAutograd (training.py): its
+    forward and backward graphs are compiled the same way."""
     kwargs = {k: v for k, v in kwargs.items() if k not in ("options", "mode")} | dict(kwargs.get("options") or {})
     if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs):
-        warnings.warn(EagerFallbackWarning(
-            "egraph-compiler: this graph needs gradients and compiled programs are inference-only for now: "
-            "it runs eagerly (use torch.no_grad() for compiled inference)"), stacklevel=2)
-        return gm.forward
+        from .training import training_backend  # AOTAutograd: forward and backward graphs, each compiled
+        return training_backend(gm, example_inputs, lambda graph: _PerSize(graph, kwargs))
     per_size = _PerSize(gm, kwargs)
     if all(isinstance(x, torch.Tensor) and all(isinstance(d, int) for d in x.shape) for x in example_inputs):
         per_size.compile(list(example_inputs))  # a static graph: compiled now, as Dynamo expects

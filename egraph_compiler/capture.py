@@ -175,7 +175,8 @@ def _convert(fx_node, env, where) -> object:
     if result is None:
         result = _extern(fx_node, env, reason)
     for node in result if isinstance(result, (list, tuple)) else [result]:
-        where.setdefault(id(node), user_line(fx_node))
+        if node is not None:
+            where.setdefault(id(node), user_line(fx_node))
     return result
 
 
@@ -226,11 +227,15 @@ def _extern(fx_node, env, reason: str) -> object:
     kwargs = tuple((k, freeze(v)) for k, v in fx_node.kwargs.items())
     val = fx_node.meta["val"]
     vals = list(val) if isinstance(val, (list, tuple)) else [val]
-    results = []
+    results, pending = [], {}  # one dict shared by the outputs of one call (ExternCall.pending)
     for i, v in enumerate(vals):
+        if v is None:  # an output the call does not compute (convolution_backward's unasked-for gradients)
+            results.append(None)
+            continue
         call = ExternCall(fx_node.target, template, kwargs, tuple(v.shape),
                           str(v.dtype).removeprefix("torch."),
-                          i if isinstance(val, (list, tuple)) else None, user_line(fx_node), reason=reason)
+                          i if isinstance(val, (list, tuple)) else None, user_line(fx_node), reason=reason,
+                          pending=pending)
         object.__setattr__(call, "key", f"{fx_node.target}#{id(call):x}")
         results.append(Node.make("extern", tuple(tensors), {"target": call}, shape=call.shape, dtype=call.dtype))
     return results if isinstance(val, (list, tuple)) else results[0]
@@ -382,6 +387,29 @@ def _sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, e
     return Node.make("sdpa", (q, k, v), {"scale": scale, "causal": bool(is_causal)})
 
 
+def _var_mean(x, dims=None, correction=None, keepdim=False):
+    """(var, mean) as primitives: the mean, then the mean square deviation from it."""
+    dims = _neg_dims(dims, len(x.shape))
+    correction = 1 if correction is None else correction
+    count = math.prod(x.shape[d] for d in dims)
+    if count - correction <= 0 or not x.dtype.startswith(("float", "bfloat")):
+        return None  # torch's inf/nan for too few elements, and integer inputs: ATen
+    mean = Node.make("mean", (x,), {"dims": dims, "keepdim": True})
+    centred = Node.make("sub", (x, mean))
+    squares = Node.make("sum", (Node.make("mul", (centred, centred)),), {"dims": dims, "keepdim": bool(keepdim)})
+    var = Node.make("div", (squares, const(float(count - correction))))
+    return [var, mean if keepdim else Node.make("mean", (x,), {"dims": dims, "keepdim": False})]
+
+
+def _safe_softmax(x, dim, dtype=None):
+    """softmax whose rows of -inf only (attention rows that mask every key) are 0, not NaN."""
+    soft = _softmax("softmax")(x, dim, dtype)
+    if soft is None or not x.shape:
+        return soft
+    top = Node.make("amax", (x,), {"dims": (ops.norm_dim(dim, len(x.shape)) - len(x.shape),), "keepdim": True})
+    return Node.make("where", (Node.make("gt", (top, const(-math.inf))), soft, const(0.0)))
+
+
 def _where(c, a, b):
     return Node.make("where", (c, _t(a), _t(b)))
 
@@ -415,6 +443,33 @@ def _conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
                      {"stride": pair(stride), "padding": pair(padding), "dilation": pair(dilation), "groups": groups})
 
 
+def _fill(value, shape, dtype=None, like=None, **kwargs):
+    """A tensor of one value (zeros, ones, full, scalar_tensor, new_zeros...): a constant broadcast
+    by an index map, never stored unless it is an output."""
+    if set(kwargs) - {"layout", "device", "pin_memory", "memory_format", "requires_grad"} or kwargs.get(
+            "requires_grad"):
+        return None
+    name = str(dtype).removeprefix("torch.") if dtype is not None else (like.dtype if like else "float32")
+    if name not in ("float32", "float16", "bfloat16", "float64", "bool") or isinstance(value, complex):
+        return None  # integer fills: ATen (generated code computes in floating point)
+    scalar = Node.make("cast", (const(value),), {"dtype": name})
+    return scalar if not shape else Node.make("expand", (Node.make("reshape", (scalar,), {"shape": (1,) * len(
+        shape)}),), {"shape": tuple(int(d) for d in shape)})
+
+
+def _slice_backward(grad, sizes, dim, start, end, step):
+    """The gradient of a slice: the slice's gradient with zeros around it."""
+    d = ops.norm_dim(dim, len(sizes))
+    start, end, step = slice(start, end, step).indices(sizes[d])
+    if step != 1:
+        return None
+    parts = []
+    for length, part in ((start, None), (end - start, grad), (sizes[d] - end, None)):
+        if length > 0:
+            parts.append(part if part is not None else _fill(0.0, [*sizes[:d], length, *sizes[d + 1:]], like=grad))
+    return _cat(parts, d) if parts else grad
+
+
 def _identity(x, *args, **kwargs):
     return x if not kwargs.get("dtype") else None
 
@@ -440,7 +495,7 @@ CONVERTERS = {
     aten._to_copy.default: _cast, aten.to.dtype: lambda x, dtype, *a, **k: _cast(x, dtype),
     aten.type_as.default: lambda x, other: _cast(x, other.dtype),
     aten.softmax.int: _softmax("softmax"), aten._softmax.default: _softmax("softmax", internal=True),
-    aten.log_softmax.int: _softmax("log_softmax"),
+    aten._safe_softmax.default: _safe_softmax, aten.log_softmax.int: _softmax("log_softmax"),
     aten._log_softmax.default: _softmax("log_softmax", internal=True),
     aten.layer_norm.default: _layer_norm, aten.rms_norm.default: _rms_norm,
     aten.matmul.default: lambda a, b: Node.make("matmul", (a, b)),
@@ -448,6 +503,22 @@ CONVERTERS = {
     aten.bmm.default: lambda a, b: Node.make("matmul", (a, b)),
     aten.linear.default: _linear, aten.conv2d.default: _conv2d,
     aten.addmm.default: _addmm, aten.scaled_dot_product_attention.default: _sdpa,
+    aten.var_mean.correction: _var_mean, aten.var.correction: lambda *a, **k: (_var_mean(*a, **k) or [None])[0],
+    aten.var_mean.dim: lambda x, dim=None, unbiased=True, keepdim=False: _var_mean(x, dim, int(unbiased), keepdim),
+    aten.var.dim: lambda x, dim=None, unbiased=True, keepdim=False: (_var_mean(x, dim, int(unbiased), keepdim)
+                                                                     or [None])[0],
+    aten.slice_backward.default: _slice_backward,
+    aten.select_backward.default: lambda g, sizes, dim, i: _slice_backward(
+        _unsqueeze(g, dim), sizes, dim, i % sizes[dim], i % sizes[dim] + 1, 1),
+    aten.full.default: lambda size, value, **kw: _fill(value, size, **kw),
+    aten.zeros.default: lambda size, **kw: _fill(0.0, size, **kw),
+    aten.ones.default: lambda size, **kw: _fill(1.0, size, **kw),
+    aten.scalar_tensor.default: lambda value, **kw: _fill(value, (), **kw),
+    aten.new_zeros.default: lambda x, size, **kw: _fill(0.0, size, like=x, **kw),
+    aten.new_ones.default: lambda x, size, **kw: _fill(1.0, size, like=x, **kw),
+    aten.full_like.default: lambda x, value, **kw: _fill(value, x.shape, like=x, **kw),
+    aten.zeros_like.default: lambda x, **kw: _fill(0.0, x.shape, like=x, **kw),
+    aten.ones_like.default: lambda x, **kw: _fill(1.0, x.shape, like=x, **kw),
     aten.clamp_min.default: lambda x, m: Node.make("maximum", (x, _t(m))),
     aten.rsub.Scalar: lambda x, other, alpha=1: _binary("sub")(other, x, alpha) if alpha == 1 else None,
     aten.rsub.Tensor: lambda x, other, alpha=1: _binary("sub")(other, x, alpha) if alpha == 1 else None,

@@ -43,16 +43,25 @@ class ExternCall:
     where: str  # the user's source line, for messages
     key: str = field(default="")
     reason: str = "outside the vocabulary"  # why ATen runs it
+    # the other outputs of one call of a multi-output op, computed by it and not yet read: each call of
+    # the program runs the op once (a random op such as native_dropout must give its output and its mask
+    # from one draw), the first output read computes them all, and each sibling takes its own
+    pending: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __str__(self):
         return self.key or str(self.target)
 
     def run(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        if self.item is not None and self.item in self.pending:
+            return self.pending.pop(self.item)
         it = iter(tensors)
         args = [_fill(a, it) for a in self.template]
         kwargs = {k: _fill(v, it) for k, v in self.kwargs}
         out = self.target(*args, **kwargs)
-        return out[self.item] if self.item is not None else out
+        if self.item is None:
+            return out
+        self.pending.update((i, v) for i, v in enumerate(out) if i != self.item)  # (shared by the siblings)
+        return out[self.item]
 
 
 @dataclass(frozen=True)

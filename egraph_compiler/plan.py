@@ -230,7 +230,8 @@ def release_schedule(plan: Plan) -> list[list[Node]]:
     """Per kernel, the intermediate buffers that no later kernel (nor a program
     output) reads, so the runtime can drop them.  A kernel reads its `inputs`:
     every materialised tensor below it, including those its fused producers read."""
-    keep = {id(view_source(o)) for o in plan.graph.outputs} | {id(n) for n in plan.graph.inputs}
+    keep = {id(o) for o in plan.graph.outputs} | {id(view_source(o)) for o in plan.graph.outputs} | \
+        {id(n) for n in plan.graph.inputs}  # an output stored as a view (of a fused producer) is kept too
     last: dict[int, tuple[int, Node]] = {}
     for step, kernel in enumerate(plan.kernels):
         for node in kernel.inputs:

@@ -1,0 +1,85 @@
+"""Training through `torch.compile(backend="egraph")`: AOTAutograd splits a
+graph that needs gradients into a forward graph (which also returns the
+activations backward needs) and a backward graph, with its default min-cut
+partitioner; both are ATen graphs, and each is compiled by the pipeline like
+any other program.  This is the only module that imports AOTAutograd.
+
+Backward ATen ops (`_softmax_backward_data`, `native_layer_norm_backward`,
+`gelu_backward`, ...) are decomposed into the primitives of the op table by
+torch's own decompositions, so the rules fuse them like written-out math;
+forward composites stay whole (softmax, gelu, sdpa's math form) except
+`native_layer_norm`, whose saved mean and rstd are primitives' values.
+"""
+from __future__ import annotations
+
+import torch
+from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+from torch._decomp import get_decompositions
+from torch._dynamo.backends.common import aot_autograd
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+aten = torch.ops.aten
+
+DECOMPOSED = [
+    # backward composites -> primitives
+    aten._softmax_backward_data, aten._log_softmax_backward_data, aten.gelu_backward, aten.silu_backward,
+    aten.sigmoid_backward, aten.tanh_backward, aten.threshold_backward, aten.native_layer_norm_backward,
+    aten._fused_rms_norm_backward, aten.native_dropout_backward,
+    # forward ops whose saved outputs only primitives give (mean/rstd), or that only ATen runs otherwise
+    aten.native_layer_norm, aten._fused_rms_norm,
+]
+
+
+def _sdpa_math(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """scaled_dot_product_attention written out (softmax(q k^T * scale + mask) v),
+    decomposed before autograd: the backward is then matmuls and softmax's
+    backward, which the rules fuse, where the fused kernels' own backward
+    would be an ATen call.  Fully masked rows give 0, as torch's math does."""
+    if dropout_p != 0.0:  # dropout inside attention: torch's own kernel and its random stream
+        return _SDPA(q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+    if enable_gqa and k.shape[-3] != q.shape[-3]:
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], -3)
+        v = v.repeat_interleave(q.shape[-3] // v.shape[-3], -3)
+    scores = (q @ k.transpose(-2, -1)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    if is_causal:
+        keep = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+        scores = torch.where(keep, scores, float("-inf"))
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        scores = torch.where(attn_mask, scores, float("-inf"))
+    elif attn_mask is not None:
+        scores = scores + attn_mask
+    return aten._safe_softmax(scores, -1) @ v
+
+
+_SDPA = torch.nn.functional.scaled_dot_product_attention
+_SDPA_TARGETS = {_SDPA, torch._C._nn.scaled_dot_product_attention}
+
+
+def training_backend(gm: torch.fx.GraphModule, example_inputs, compile_graph):
+    """A Dynamo graph that needs gradients: forward and backward graphs, each
+    compiled by `compile_graph(gm)` -> callable(*args) returning a tuple
+    (api._PerSize: one program per distinct size)."""
+    for node in gm.graph.nodes:  # attention's math, before autograd sees torch's fused kernel
+        if node.op == "call_function" and node.target in _SDPA_TARGETS:
+            node.target = _sdpa_math
+    gm.recompile()
+    def compiler(graph: torch.fx.GraphModule, inputs):
+        run = compile_graph(graph)
+        shapes_known = all(not isinstance(x, torch.Tensor) or all(isinstance(d, int) for d in x.shape)
+                           for x in inputs)
+        if shapes_known and all(isinstance(x, torch.Tensor) for x in inputs):
+            with unset_fake_temporarily():  # compiled now, for inputs shaped like AOTAutograd's fake ones
+                run.compile([_real(x) for x in inputs])
+        return make_boxed_func(run)
+
+    table = get_decompositions(DECOMPOSED) | {aten.scaled_dot_product_attention.default: _sdpa_math}
+    backend = aot_autograd(fw_compiler=compiler, bw_compiler=compiler, decompositions=table,
+                           partition_fn=min_cut_rematerialization_partition, keep_inference_input_mutations=True)
+    return backend(gm, example_inputs)
+
+
+def _real(fake: torch.Tensor) -> torch.Tensor:
+    """A real tensor with a fake one's shape, strides and dtype (its values are
+    never used for results: plans depend on shapes and dtypes only)."""
+    out = torch.empty_strided(tuple(fake.shape), tuple(fake.stride()), dtype=fake.dtype, device=fake.device)
+    return out.normal_() if out.is_floating_point() else out.zero_()
