@@ -19,6 +19,7 @@ import json
 import statistics
 import sys
 import time
+import traceback
 
 import torch
 
@@ -74,6 +75,7 @@ def bench_model(name: str, args) -> dict:
             row["status"][variant] = bad or "ok"
         except Exception as exc:  # report, don't stop the other models
             row["status"][variant] = "error: " + short_error(exc)
+            traceback.print_exc()
         if variant == "ours":
             row["fallbacks"] = sorted({f.split(" ")[0] for p in egc.last_plans() for f in p.fallbacks})
             row["kernels"] = sum(len(p.kernels) for p in egc.last_plans())

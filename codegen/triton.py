@@ -19,7 +19,7 @@ import sys
 from dataclasses import replace
 
 from egraph_compiler.cache import cache_dir
-from egraph_compiler.errors import EgraphCompilerError
+from egraph_compiler.errors import CodegenError, EgraphCompilerError
 from egraph_compiler.loopir import STASH, Affine, Load, LoopKernel, substitute
 
 from .walker import Target, render_expr, render_index
@@ -37,7 +37,7 @@ SCALAR_OPS = {
     "gelu": "(0.5 * ({0}) * (1.0 + tl.math.erf(({0}) * 0.7071067811865476)))",
     # 0.5 x (1 + tanh(u)) = x sigmoid(2u)
     "gelu_tanh": "(({0}) * tl.sigmoid(1.5957691216057308 * (({0}) + 0.044715 * ({0}) * ({0}) * ({0}))))",
-    "cast": "({0}).to({dtype}).to(tl.float32)",  # round to the dtype, keep computing in float32
+    "cast": "tl.cast({0}, {dtype}).to(tl.float32)",  # round to the dtype, keep computing in float32 (tl.cast: {0} may be a constant)
     "add": "(({0}) + ({1}))", "sub": "(({0}) - ({1}))", "mul": "(({0}) * ({1}))", "div": "(({0}) / ({1}))",
     "maximum": "_egc_maximum({0}, {1})", "pow": "_egc_pow({0}, {1})",
     "pow_scalar_base": "_egc_pow(({0}) + tl.zeros_like({1}), {1})",  # (tl.zeros_like of a float fails on GPU)
@@ -221,20 +221,28 @@ def render_program(kernels: list[LoopKernel]) -> str:
     return PRELUDE + "\n\n" + "\n\n\n".join(_Kernel(k).render() for k in kernels) + "\n"
 
 
-def load(source: str, kernels: list[LoopKernel]):
-    """Write the module into the cache (Triton reads a kernel's source from its
-    file), import it, and wrap each kernel as a launch over its grid."""
-    key = hashlib.sha256(source.encode()).hexdigest()[:24]
-    path = cache_dir() / f"egc_triton_{key}.py"
-    compiled_now = not path.exists() or path.read_text() != source
-    if compiled_now:
+def _module_path(source: str):
+    return cache_dir() / f"egc_triton_{hashlib.sha256(source.encode()).hexdigest()[:24]}.py"
+
+
+def _import(source: str):
+    path = _module_path(source)
+    if not path.exists() or path.read_text() != source:
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(source)
         os.replace(tmp, path)
-    spec = importlib.util.spec_from_file_location(f"egc_triton_{key}", path)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # triton resolves the kernels' globals through the module
     spec.loader.exec_module(module)
+    return module
+
+
+def load(source: str, kernels: list[LoopKernel]):
+    """Write the module into the cache (Triton reads a kernel's source from its
+    file), import it, and wrap each kernel as a launch over its grid."""
+    compiled_now = not _module_path(source).exists()
+    module = _import(source)
     calls = {}
     for k in kernels:
         shape = _Kernel(k)
@@ -244,6 +252,53 @@ def load(source: str, kernels: list[LoopKernel]):
         calls[k.name] = (lambda *tensors, fn=fn, grid=grid, x=shape.xblock, r=shape.rblock, w=shape.warps:
                          fn[grid](*tensors, XBLOCK=x, RBLOCK=r, num_warps=w, enable_fp_fusion=False))
     return calls, compiled_now
+
+
+SIGNATURE = {"float32": "*fp32", "float16": "*fp16", "bfloat16": "*bf16", "bool": "*i1", "int64": "*i64",
+             "int32": "*i32"}
+
+
+def compile_for_gpu(modules: list[tuple[str, list[LoopKernel]]], arch: int = 90) -> None:
+    """Compile every kernel of rendered modules, (source, loop kernels) pairs,
+    for an NVIDIA GPU of this compute capability, down to a cubin, on any
+    machine (no GPU needed): what the interpreter accepts and a GPU's compiler
+    refuses (types, constants) fails here.  Runs in one child Python without
+    TRITON_INTERPRET (which replaces triton.language's own functions in this
+    process); raises CodegenError with the compiler's message and the module."""
+    import json
+    import subprocess
+    specs = []
+    for source, kernels in modules:
+        path = _module_path(source)
+        if not path.exists() or path.read_text() != source:
+            _import(source)
+        specs += [(str(path), k.name, {p.name: SIGNATURE[p.dtype] for p in k.params}, shape.xblock, shape.rblock,
+                   shape.warps) for k in kernels for shape in [_Kernel(k)]]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _GPU_COMPILE, json.dumps(specs), str(arch)],
+                          env=env, capture_output=True, text=True)
+    if done.returncode:
+        raise CodegenError(f"Triton refuses a kernel for sm_{arch}:\n{done.stderr[-3000:]}")
+
+
+_GPU_COMPILE = """
+import importlib.util, json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+specs, arch, modules = json.loads(sys.argv[1]), int(sys.argv[2]), {}
+for path, name, signature, xblock, rblock, warps in specs:
+    if path not in modules:
+        spec = importlib.util.spec_from_file_location(f"egc_gpu_check_{len(modules)}", path)
+        modules[path] = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = modules[path]
+        spec.loader.exec_module(modules[path])
+    src = triton.compiler.ASTSource(fn=getattr(modules[path], name), signature=signature | {
+        "XBLOCK": "constexpr", "RBLOCK": "constexpr"}, constexprs={"XBLOCK": xblock, "RBLOCK": rblock})
+    try:
+        triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps, "enable_fp_fusion": False})
+    except Exception as exc:
+        sys.exit(f"{path}: {name}: {exc}")
+"""
 
 
 TABLE = Target(name="cuda", device="cuda", render=render_program, load=load, **_FIELDS)

@@ -23,6 +23,7 @@ class CompiledFunction:
         self.report = report
         self.levels = levels
         self.source = levels.source
+        self.loop_kernels = executable.loops  # the loop IR `source` renders
 
     @property
     def compiled_now(self) -> bool:
@@ -99,17 +100,23 @@ def explain(fn, example_inputs, **kwargs) -> Levels:
     return compile(fn, example_inputs, **kwargs).levels
 
 
-_PLANS: list = []  # plans compiled through backend="egraph", most recent last (see last_plans)
+_COMPILED: list = []  # programs compiled through backend="egraph", most recent last (see last_plans)
 
 
 def last_plans(clear: bool = False) -> list:
     """The plans compiled through `torch.compile(..., backend="egraph")` in this
-    process, most recent last (one per graph, and one per size of a dynamic
-    graph): what a test inspects.  `clear=True` empties the record."""
-    plans = list(_PLANS)
+    process, most recent last (one per graph, one per size of a dynamic graph,
+    a forward and a backward plan per training graph): what a test inspects.
+    `clear=True` empties the record."""
+    return [c.plan for c in last_compiled(clear)]
+
+
+def last_compiled(clear: bool = False) -> list:
+    """As `last_plans`, the compiled programs themselves (`.plan`, `.source`, `.levels`)."""
+    compiled = list(_COMPILED)
     if clear:
-        _PLANS.clear()
-    return plans
+        _COMPILED.clear()
+    return compiled
 
 
 def dynamo_backend(gm, example_inputs, **kwargs):
@@ -157,7 +164,7 @@ class _PerSize:
         self.programs[self._key(args)] = (compiled, slots)
         while len(self.programs) > self.LIMIT:
             del self.programs[next(iter(self.programs))]
-        _PLANS.append(compiled.plan)
+        _COMPILED.append(compiled)
         self.compiled = compiled  # the latest, for tests
         return compiled, slots
 

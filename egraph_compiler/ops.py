@@ -213,7 +213,13 @@ def _sdpa(t, a):
     if not q.is_cuda:
         return call(q, k, v)
     # torch's fused CUDA kernels refuse misaligned views ("query is not correctly aligned") and some
-    # head sizes with a mask ("no kernel found to launch"): aligned copies, and the math kernel after that
+    # head sizes with a mask ("no kernel found to launch"): the views as they are (q, k and v are
+    # usually slices of one projection, which the kernels read in place), then aligned copies, then
+    # the math kernel
+    try:
+        return call(q, k, v)
+    except RuntimeError:
+        pass
     q, k, v = (x.contiguous() for x in (q, k, v))
     try:
         return call(q, k, v)

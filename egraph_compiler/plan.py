@@ -189,7 +189,10 @@ CAST_ONLY = frozenset({"int64", "int32"})  # read by generated code only to be c
 
 def _integers_only_cast(body) -> bool:
     """Integer buffers that the kernel only views and casts: no integer arithmetic (which
-    generated code, computing in float32, would get wrong past 2**24)."""
+    generated code, computing in float32, would get wrong past 2**24), and no integer result: a
+    kernel that only copies integers (a view stored as an output) would round them through float32."""
+    if body and body[-1].dtype in CAST_ONLY:
+        return False
     for n in body:
         if n.group == "layout":
             continue

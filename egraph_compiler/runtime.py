@@ -30,6 +30,7 @@ class Executable:
         self.graph: Graph = plan.graph
         self.target = target
         self.compiled_now = False
+        self.loops = loops  # the generated kernels' loop IR
         self._calls = {}
         if loops:
             self._calls, self.compiled_now = target.load(source, loops)
@@ -46,14 +47,20 @@ class Executable:
         self._write_back(args, results)
         return self._structure(results[:self.graph.user_outputs])
 
-    def torch_step(self, kernel):
-        """A library call or ATen fallback as a function of the kernel's inputs."""
+    def torch_step(self, kernel, contiguous: bool = True):
+        """A library call or ATen fallback as a function of the kernel's inputs.
+        Its result is made contiguous where a generated kernel reads it (they
+        index buffers as contiguous); torch's own ops take any strides (sdpa's
+        output, in the layout the next matmul reads, is not copied twice)."""
         ids = [id(i) for i in kernel.inputs]
         node = kernel.output
 
-        def run(*tensors):  # generated kernels index buffers as contiguous
+        def run(*tensors):
             return self._run_torch(node, dict(zip(ids, tensors))).contiguous()
-        return run
+
+        def run_strided(*tensors):
+            return self._run_torch(node, dict(zip(ids, tensors)))
+        return run if contiguous else run_strided
 
     def _structure(self, results):
         """The user's result structure: dicts, lists, nested tuples, non-tensors passed through."""
@@ -140,6 +147,7 @@ def _straight_line(executable: Executable, loops_by_name: dict, nodes: dict, rel
     local: dict[int, str] = {}
     names: dict = {}
     lines = ["def run(env):"]
+    generated_reads = {id(i) for k in plan.kernels if k.kind == "generated" for i in k.inputs}
     for i, node in enumerate(plan.graph.inputs):
         local[id(node)] = f"a{i}"
         lines.append(f"    a{i} = env[{id(node)}]")
@@ -162,7 +170,7 @@ def _straight_line(executable: Executable, loops_by_name: dict, nodes: dict, rel
             lines.append(f"    _{kernel.name}({', '.join(ins + outs)})  # {kernel.output.op}")
         else:
             local[id(kernel.output)] = f"t{step}"
-            names[f"_{kernel.name}"] = executable.torch_step(kernel)
+            names[f"_{kernel.name}"] = executable.torch_step(kernel, id(kernel.output) in generated_reads)
             args = ", ".join(local[id(i)] for i in kernel.inputs)
             lines.append(f"    t{step} = _{kernel.name}({args})  # {kernel.kind}: {kernel.output.op}")
         dead = [local[id(n)] for n in release[step]]

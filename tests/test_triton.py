@@ -77,3 +77,32 @@ def test_unknown_target_and_wrong_device_are_clear_errors():
         egc.compile(lambda x: x + 1, [torch.randn(3)], target="nonsense")
     with pytest.raises(EgraphCompilerError, match="runs on cuda"):
         egc.compile(lambda x: x + 1, [torch.randn(3)], target="cuda")
+
+
+def test_kernels_compile_for_an_h200_without_a_gpu():
+    """Every Triton kernel of the workloads (float32 and bfloat16) and of a training step (forward
+    and backward graphs, with constant fills and casts) is compiled for sm_90 down to a cubin:
+    the interpreter accepts constructs a GPU's compiler refuses (`(0.0).to(...)` did)."""
+    from egraph_compiler.codegen.triton import compile_for_gpu
+    modules = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for name in workloads.NAMES:
+            fn, inputs = workloads.make(name, size="test", dtype=dtype)
+            compiled = egc.compile(fn, inputs, target="triton")
+            modules.append((compiled.source, compiled.loop_kernels))
+    model = torch.nn.Sequential(torch.nn.LayerNorm(16), torch.nn.Linear(16, 32), torch.nn.GELU(),
+                                torch.nn.Linear(32, 16), torch.nn.LogSoftmax(-1))
+    fills = lambda x: torch.ops.aten.slice_backward(x, [6, 7], 1, 2, 5, 1) + torch.zeros(6, 7)  # noqa: E731
+    compiled = egc.compile(fills, [torch.randn(6, 3)], target="triton")
+    modules.append((compiled.source, compiled.loop_kernels))
+    torch._dynamo.reset()
+    egc.last_plans(clear=True)
+    torch.compile(model, backend="egraph", options={"target": "triton"})(torch.randn(4, 8, 16)).sum().backward()
+    training = egc.last_compiled()
+    assert len(training) == 2
+    modules += [(c.source, c.loop_kernels) for c in training]
+    modules = [m for m in modules if m[1]]
+    compile_for_gpu(modules)  # raises CodegenError with triton's message
+    with pytest.raises(EgraphCompilerError, match="k0"):  # and it can fail: a kernel Triton refuses
+        source, loops = modules[0]
+        compile_for_gpu([(source.replace("tl.load(", "tl.lod(", 1), loops)])
