@@ -8,7 +8,8 @@ Small random-weight `transformers` models (GPT-2, BERT, LLaMA with grouped-query
 attention over 2 of 4 KV heads, ViT), in eval mode under torch.no_grad(), with
 use_cache off.  One process, the same inputs for every variant; Inductor and ours
 both go through torch.compile (default mode; ours is `backend="egraph"`), and both
-are checked against eager before they are timed.  Timing as in benchmarks.run:
+are checked against eager before they are timed (below float32, against the float32
+model, within twice eager's own error: benchmarks.run.check).  Timing as in benchmarks.run:
 blocks of back-to-back calls, the variants interleaved per round, medians of the
 rounds.  Also reported: cold compile (first call) time, and ours' kernels by kind
 (generated / library / aten) with the ATen fallbacks named.
@@ -74,6 +75,11 @@ def bench_model(name: str, args) -> dict:
     callables = {"eager": lambda *a: _main_output(model(*a))}
     with torch.no_grad():
         ref = callables["eager"](*inputs)
+        ref32 = None  # below float32, the float32 model is the truth (benchmarks.run.check)
+        if dtype != torch.float32:
+            model32, inputs32 = make(name, SIZES[args.size], device, torch.float32)
+            ref32 = _main_output(model32(*inputs32))
+            del model32
         for variant, backend in (("inductor", "inductor"), ("ours", "egraph")):
             torch._dynamo.reset()
             egc.last_plans(clear=True)
@@ -84,7 +90,7 @@ def bench_model(name: str, args) -> dict:
                 out = _main_output(compiled(*inputs))
                 sync(device)
                 row["compile_s"][variant] = time.perf_counter() - t0
-                bad = check(out, ref, TOL[dtype])
+                bad = check(out, ref, TOL[dtype], ref32)
                 row["status"][variant] = bad or "ok"
                 if bad is None:
                     callables[variant] = lambda *a, c=compiled: _main_output(c(*a))
