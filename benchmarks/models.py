@@ -2,7 +2,7 @@
 
     python -m benchmarks.models [--size test|cpu|gpu] [--device cpu|cuda]
                                 [--dtype float32|bfloat16] [--models gpt2,bert,llama_gqa,vit]
-                                [--reps N] [--json PATH]
+                                [--reps N] [--mode reduce-overhead] [--json PATH]
 
 Small random-weight `transformers` models (GPT-2, BERT, LLaMA with grouped-query
 attention over 2 of 4 KV heads, ViT), in eval mode under torch.no_grad(), with
@@ -83,7 +83,7 @@ def bench_model(name: str, args) -> dict:
         for variant, backend in (("inductor", "inductor"), ("ours", "egraph")):
             torch._dynamo.reset()
             egc.last_plans(clear=True)
-            compiled = torch.compile(model, backend=backend)
+            compiled = torch.compile(model, backend=backend, mode=args.mode)
             try:
                 sync(device)
                 t0 = time.perf_counter()
@@ -141,6 +141,7 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--reps", type=int, default=11)
+    parser.add_argument("--mode", default=None, help='torch.compile mode for both (e.g. "reduce-overhead": CUDA graphs)')
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     rows = []
@@ -148,7 +149,7 @@ def main(argv=None) -> int:
         print(f"[models] {name} ...", file=sys.stderr, flush=True)
         rows.append(bench_model(name, args))
         print(f"[models] {name}: {rows[-1]['status']} {rows[-1]['ms']}", file=sys.stderr, flush=True)
-    print(f"\n## {args.size} size, {args.device}, {args.dtype} (torch {torch.__version__})\n")
+    print(f"\n## {args.size} size, {args.device}, {args.dtype}, mode {args.mode} (torch {torch.__version__})\n")
     print(markdown(rows))
     if args.json:
         with open(args.json, "w") as f:

@@ -26,6 +26,15 @@ class CompiledFunction:
         self.loop_kernels = executable.loops  # the loop IR `source` renders
 
     @property
+    def cuda_graph(self) -> str | None:
+        """None without `cuda_graphs=True` on the cuda target; else "recorded",
+        "warming up" (before the second call), or "off: <why it could not be recorded>"."""
+        graphed = self._executable.graphed
+        if graphed is None:
+            return None
+        return f"off: {graphed.disabled}" if graphed.disabled else "recorded" if graphed.recorded else "warming up"
+
+    @property
     def compiled_now(self) -> bool:
         """False when the generated code came from the on-disk cache."""
         return self._executable.compiled_now
@@ -58,7 +67,7 @@ class CompiledFunction:
 
 def compile(fn, example_inputs, *, target=None, rules=(), disable=(), unsafe=False,
             iter_limit=30, node_limit=50_000, time_limit=10.0, strict=False, extraction="greedy",
-            ilp_time_limit=5.0, profile=None, dot=False, trust_rules=False) -> CompiledFunction:
+            ilp_time_limit=5.0, profile=None, dot=False, trust_rules=False, cuda_graphs=False) -> CompiledFunction:
     """Compile a function or nn.Module for inputs shaped like `example_inputs`.
 
     rules: extra rule files (paths) or rule text added to the library.
@@ -72,13 +81,16 @@ def compile(fn, example_inputs, *, target=None, rules=(), disable=(), unsafe=Fal
     dot: keep the saturated e-graph as Graphviz DOT text in `levels.dot`.
     trust_rules: skip the numerical check that user rules get on first use
     (a rule that fails it is refused with a counterexample).
+    cuda_graphs: on the cuda target, record the program into a CUDA graph on its
+    second call and replay it after that (inputs copied in, outputs copied out;
+    see graphs.py); ignored on other targets.
     """
     example_inputs = _check_examples(example_inputs)
     if extraction not in ("greedy", "ilp"):
         raise ValueError(f"extraction must be 'greedy' or 'ilp', not {extraction!r}")
     options = Options(target, list(rules), list(disable), unsafe, iter_limit, node_limit, time_limit, strict,
                       profile=profile, extraction=extraction, ilp_time_limit=ilp_time_limit, dot=dot,
-                      trust_rules=trust_rules)
+                      trust_rules=trust_rules, cuda_graphs=cuda_graphs)
     return CompiledFunction(*run_pipeline(fn, example_inputs, options), fn=fn)
 
 
@@ -127,10 +139,14 @@ def dynamo_backend(gm, example_inputs, **kwargs):
     called with: the plan and kernels are specialised to each size (sizes are
     not kernel arguments yet), and a size seen before reuses its program.
     `torch.compile(..., options={...})` passes `compile`'s keyword arguments
-    (target, rules, disable, ...); `mode` is accepted and has no effect yet.
+    (target, rules, disable, ...); `mode="reduce-overhead"` (and "max-autotune")
+    turns on CUDA graphs (`cuda_graphs=True`), other modes have no effect.
     A graph that needs gradients goes through AOTAutograd (training.py): its
     forward and backward graphs are compiled the same way."""
+    mode = kwargs.get("mode")
     kwargs = {k: v for k, v in kwargs.items() if k not in ("options", "mode")} | dict(kwargs.get("options") or {})
+    if mode in ("reduce-overhead", "max-autotune") and "cuda_graphs" not in kwargs:
+        kwargs["cuda_graphs"] = True  # as Inductor's modes do: CUDA graphs on the cuda target
     if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs):
         from .training import training_backend  # AOTAutograd: forward and backward graphs, each compiled
         return training_backend(gm, example_inputs, lambda graph: _PerSize(graph, kwargs))

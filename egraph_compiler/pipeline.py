@@ -50,6 +50,7 @@ class Options:
     ilp_time_limit: float = 5.0
     dot: bool = False  # keep the saturated e-graph as Graphviz DOT text (levels.dot)
     trust_rules: bool = False  # skip the numerical check of user rules
+    cuda_graphs: bool = False  # replay the program as one CUDA graph (cuda target; graphs.py)
 
 
 @dataclass
@@ -93,7 +94,7 @@ def run_pipeline(fn, example_inputs, options: Options):
     levels.loops = "\n\n".join(str(k) for k in loops)
     levels.source = target.render(loops)
     clock = time.perf_counter()
-    executable = Executable(plan, levels.source, loops, buffer_names, target)
+    executable = Executable(plan, levels.source, loops, buffer_names, target, cuda_graphs=options.cuda_graphs)
     levels.wrapper = executable.wrapper.source
     levels.timings["load"] = time.perf_counter() - clock
     if os.environ.get(DEBUG_ENV):

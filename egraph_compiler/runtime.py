@@ -16,6 +16,7 @@ from torch.utils import _pytree as pytree
 from . import ops
 from .errors import CodegenError, InputError
 from .graph import WEAK, Graph, Literal, Node, view_source
+from .graphs import GraphedRunner
 from .plan import Plan, release_schedule, verify_plan
 
 def torch_dtype(dtype: str) -> torch.dtype:
@@ -25,7 +26,8 @@ def torch_dtype(dtype: str) -> torch.dtype:
 class Executable:
     """Runs a plan: generated kernels through the target's loader, the rest through torch."""
 
-    def __init__(self, plan: Plan, source: str, loops, buffer_names: dict[int, str], target):
+    def __init__(self, plan: Plan, source: str, loops, buffer_names: dict[int, str], target,
+                 cuda_graphs: bool = False):
         self.plan = plan
         self.graph: Graph = plan.graph
         self.target = target
@@ -39,11 +41,16 @@ class Executable:
         verify_plan(plan, release)
         self.wrapper = _straight_line(self, {lk.name: lk for lk in loops}, nodes, release)
         self._run = _exec_wrapper(self.wrapper.source, self.wrapper.names)
+        self._scalars: dict[tuple[int, int], torch.Tensor] = {}  # made once: no host copy per call
+        self.graphed = None
+        if cuda_graphs and target.device == "cuda":
+            user = [id(n) for n in self.graph.inputs if n.attr("name") not in self.graph.bound]
+            self.graphed = GraphedRunner(self._run, user)
 
     @torch.no_grad()  # compiled programs are inference-only: no autograd graph is recorded
     def __call__(self, *args):
-        env = self._run(self._bind(args))
-        results = tuple(self._result(o, env) for o in self.graph.outputs)
+        env, owned = self.graphed(self._bind(args)) if self.graphed else (self._run(self._bind(args)), False)
+        results = tuple(self._result(o, env, copy=owned) for o in self.graph.outputs)
         self._write_back(args, results)
         return self._structure(results[:self.graph.user_outputs])
 
@@ -109,7 +116,10 @@ class Executable:
         if id(node) in env:
             return env[id(node)]
         if node.op == "const":
-            return torch.tensor(node.attr("value"), dtype=torch.float32, device=self.target.device)
+            key = (id(node), 0)
+            if key not in self._scalars:
+                self._scalars[key] = torch.tensor(node.attr("value"), dtype=torch.float32, device=self.target.device)
+            return self._scalars[key]
         if node.op == "inline":  # a fused producer, in a kernel that runs through torch
             return self._run_torch(node.args[0], env)
         if node.group == "layout":
@@ -117,18 +127,24 @@ class Executable:
         raise CodegenError(f"{node.op} is read before it is computed")
 
     def _run_torch(self, node: Node, env) -> torch.Tensor:
-        args = [_scalar(a, node, self.target.device) if a.op == "const" else self._tensor(a, env)
-                for a in node.args]
+        args = [self._scalar(a, node) if a.op == "const" else self._tensor(a, env) for a in node.args]
         if node.op == "extern":
             return node.attr("target").run(args)
         out = ops.get(node.op).reference(args, node.a)
         return out.to(torch_dtype(node.dtype)) if node.dtype != WEAK else out
 
-    def _result(self, node: Node, env) -> torch.Tensor:
+    def _scalar(self, const: Node, consumer: Node) -> torch.Tensor:
+        key = (id(const), id(consumer))
+        if key not in self._scalars:
+            self._scalars[key] = _scalar(const, consumer, self.target.device)
+        return self._scalars[key]
+
+    def _result(self, node: Node, env, copy: bool = False) -> torch.Tensor:
+        """An output as the caller gets it: `copy` when env's tensors are a CUDA graph's own."""
         value = self._tensor(node, env)
         if node.op == "const":
-            return value
-        if view_source(node).op == "input" or not value.is_contiguous():
+            return value.clone()
+        if copy or view_source(node).op == "input" or not value.is_contiguous():
             return value.clone(memory_format=torch.contiguous_format)  # never alias the caller's tensors
         return value
 

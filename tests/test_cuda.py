@@ -69,3 +69,36 @@ def test_training_on_cuda(dtype):
         torch.testing.assert_close(got, want, rtol=tol, atol=tol * scale)
     plans = egc.last_plans()
     assert len(plans) == 2 and not any(p.fallbacks for p in plans), [p.fallbacks for p in plans]
+
+
+def test_cuda_graphs_replay_with_new_inputs_and_parameters():
+    """cuda_graphs=True: recorded on the second call, replayed after; each call's inputs are copied
+    in, outputs are the caller's own (a replay never overwrites a result already returned), and a
+    reassigned parameter records the graph again."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.LayerNorm(64), torch.nn.Linear(64, 128, bias=False), torch.nn.GELU(),
+                                torch.nn.Linear(128, 64)).cuda()
+    xs = [torch.randn(4, 32, 64, device="cuda") for _ in range(4)]
+    with torch.no_grad():
+        compiled = egc.compile(model, [xs[0]], cuda_graphs=True)
+        assert compiled.cuda_graph == "warming up"
+        outs = [compiled(x) for x in xs]
+        assert compiled.cuda_graph == "recorded"
+        for x, out in zip(xs, outs):  # every earlier result intact after later replays
+            torch.testing.assert_close(out, model(x), atol=1e-4, rtol=1e-4)
+        model[1].weight = torch.nn.Parameter(torch.randn(128, 64, device="cuda"))
+        torch.testing.assert_close(compiled(xs[0]), model(xs[0]), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(compiled(xs[1]), model(xs[1]), atol=1e-4, rtol=1e-4)
+
+
+def test_reduce_overhead_mode_through_torch_compile():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.SiLU(), torch.nn.LayerNorm(64)).cuda()
+    torch._dynamo.reset()
+    egc.last_plans(clear=True)
+    compiled = torch.compile(model, backend="egraph", mode="reduce-overhead")
+    with torch.no_grad():
+        for _ in range(4):
+            x = torch.randn(8, 64, device="cuda")
+            torch.testing.assert_close(compiled(x), model(x), atol=1e-4, rtol=1e-4)
+    assert [c.cuda_graph for c in egc.last_compiled()] == ["recorded"]
