@@ -1,12 +1,10 @@
 """Public API: `compile`, `explain`, and the `torch.compile` backend."""
 from __future__ import annotations
 
-import warnings
-
 import torch
 
 from .capture import bind_sizes
-from .errors import EagerFallbackWarning, InputError
+from .errors import InputError
 from .pipeline import Levels, Options, run_pipeline
 
 
@@ -15,15 +13,41 @@ class CompiledFunction:
     chosen kernels), `source` (generated code), `report` (saturation) and
     `levels` (every IR level's text)."""
 
-    def __init__(self, executable, plan, report, levels: Levels, fn=None):
+    def __init__(self, executable, plan, report, levels: Levels, fn=None, options: dict | None = None):
         self._executable = executable
         self._fn = fn
-        self._warned_grad = False
+        self._options = options or {}
+        self._trainer = None
         self.plan = plan
         self.report = report
         self.levels = levels
         self.source = levels.source
         self.loop_kernels = executable.loops  # the loop IR `source` renders
+
+    def __call__(self, *args):
+        if torch.is_grad_enabled() and self._needs_grad(args):
+            return self._train(args)
+        return self._executable(*args)
+
+    def _needs_grad(self, args) -> bool:
+        bound = self.plan.graph.bound.values()
+        return any(isinstance(a, torch.Tensor) and a.requires_grad for a in args) or \
+            any(b.get().requires_grad for b in bound)
+
+    def _train(self, args):
+        """A call that needs gradients: the program through torch.compile with this
+        backend, whose AOTAutograd path compiles a forward and a backward graph
+        (on the first such call) with this program's options."""
+        if self._fn is None:
+            raise InputError("this compiled program has no source function to differentiate: call it under "
+                             "torch.no_grad(), or with inputs that do not require grad")
+        if self._trainer is None:
+            options = self._options
+
+            def backend(gm, example_inputs):
+                return dynamo_backend(gm, example_inputs, options=options)
+            self._trainer = torch.compile(self._fn, backend=backend, dynamic=False)
+        return self._trainer(*args)
 
     @property
     def cuda_graph(self) -> str | None:
@@ -38,31 +62,6 @@ class CompiledFunction:
     def compiled_now(self) -> bool:
         """False when the generated code came from the on-disk cache."""
         return self._executable.compiled_now
-
-    def __call__(self, *args):
-        if torch.is_grad_enabled() and self._needs_grad(args):
-            return self._run_eagerly(args)
-        return self._executable(*args)
-
-    def _needs_grad(self, args) -> bool:
-        bound = self.plan.graph.bound.values()
-        return any(isinstance(a, torch.Tensor) and a.requires_grad for a in args) or \
-            any(b.get().requires_grad for b in bound)
-
-    def _run_eagerly(self, args):
-        """Compiled programs do not record autograd graphs yet: a call that
-        needs gradients runs the original program, with a warning, rather
-        than return tensors silently detached from the graph."""
-        if self._fn is None:
-            raise InputError("this compiled program is inference-only: call it under torch.no_grad() or "
-                             "torch.inference_mode(), or with inputs that do not require grad")
-        if not self._warned_grad:
-            self._warned_grad = True
-            warnings.warn(EagerFallbackWarning(
-                "egraph-compiler: inputs or parameters require grad, and compiled programs are inference-only "
-                "for now: this call runs eagerly (wrap inference in torch.no_grad() to run the compiled code)"),
-                stacklevel=3)
-        return self._fn(*args)
 
 
 def compile(fn, example_inputs, *, target=None, rules=(), disable=(), unsafe=False,
@@ -91,7 +90,10 @@ def compile(fn, example_inputs, *, target=None, rules=(), disable=(), unsafe=Fal
     options = Options(target, list(rules), list(disable), unsafe, iter_limit, node_limit, time_limit, strict,
                       profile=profile, extraction=extraction, ilp_time_limit=ilp_time_limit, dot=dot,
                       trust_rules=trust_rules, cuda_graphs=cuda_graphs)
-    return CompiledFunction(*run_pipeline(fn, example_inputs, options), fn=fn)
+    kwargs = dict(target=target, rules=rules, disable=disable, unsafe=unsafe, iter_limit=iter_limit,
+                  node_limit=node_limit, time_limit=time_limit, strict=strict, extraction=extraction,
+                  ilp_time_limit=ilp_time_limit, profile=profile, trust_rules=trust_rules, cuda_graphs=cuda_graphs)
+    return CompiledFunction(*run_pipeline(fn, example_inputs, options), fn=fn, options=kwargs)
 
 
 def _check_examples(example_inputs) -> list:

@@ -269,3 +269,19 @@ def test_unsupported_op_falls_back_with_warning(monkeypatch):
 def test_unsupported_op_strict_raises():
     with pytest.raises(UnsupportedOpError, match="cumsum"):
         egraph_compiler.compile(_cumsum, [randn(4, 3)], strict=True)
+
+
+@pytest.mark.parametrize("target", ["cpu", "triton"])
+@pytest.mark.parametrize("fn", [
+    lambda a, b, x: a & b, lambda a, b, x: a | b, lambda a, b, x: ~a, lambda a, b, x: torch.logical_and(a, x > 0),
+    lambda a, b, x: torch.where(~(a | b) & (x > 0), x, 0.0), lambda a, b, x: torch.logical_not(a) | b[:1],
+    lambda a, b, x: torch.logical_or(a, b).float().sum(-1),
+], ids=["and", "or", "not", "logical_and", "mask_where", "broadcast_or", "or_sum"])
+def test_bool_logic_is_generated(fn, target):
+    """Attention masks are built with &, | and ~ over bools: generated (as `where`), exactly."""
+    g = torch.Generator().manual_seed(0)
+    a, b, x = torch.rand(3, 5, generator=g) > 0.5, torch.rand(3, 5, generator=g) > 0.5, torch.randn(3, 5, generator=g)
+    compiled = egraph_compiler.compile(fn, [a, b, x], target=target)
+    got, want = compiled(a, b, x), fn(a, b, x)
+    assert got.dtype == want.dtype and torch.equal(got, want)
+    assert not compiled.plan.fallbacks

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import egraph_compiler as egc
-from egraph_compiler.errors import EagerFallbackWarning, InputError
+from egraph_compiler.errors import InputError
 
 
 def same(compiled, fn, *inputs, atol=1e-5, rtol=1e-5):
@@ -196,14 +196,18 @@ def test_parameter_of_another_shape_is_a_clear_error():
 
 # ---- gradients are never dropped silently ----
 
-def test_grad_requiring_input_runs_eagerly_with_a_warning():
+def test_grad_requiring_call_is_compiled_for_training():
+    """A call that needs gradients goes through AOTAutograd: a forward and a backward plan,
+    compiled with the program's options (once ran eagerly; before that, silently detached)."""
     fn = lambda x: (x.exp() * 2).sum()  # noqa: E731
     x = torch.randn(4, requires_grad=True)
-    compiled = egc.compile(fn, [x.detach()])
-    with pytest.warns(EagerFallbackWarning, match="require grad"):
-        out = compiled(x)
+    compiled = egc.compile(fn, [x.detach()], target="triton")
+    egc.last_plans(clear=True)
+    out = compiled(x)
     out.backward()
     torch.testing.assert_close(x.grad, 2 * x.detach().exp())
+    torch.testing.assert_close(out, fn(x.detach()))
+    assert len(egc.last_plans()) == 2 and not any(p.fallbacks for p in egc.last_plans())
 
 
 def test_module_with_parameters_under_no_grad_runs_compiled():

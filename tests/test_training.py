@@ -112,11 +112,12 @@ def _hidden(out) -> torch.Tensor:
 
 
 # what still runs through ATen in training: the lookups before the blocks and their backward, the
-# patch embedding's convolution, the causal mask's tril (built from constants), and the copy of
-# GPT-2's int64 position ids that the forward hands to the backward (integers are never generated)
+# patch embedding's convolution, the causal mask's tril (built from constants), and the copies of
+# int64 ids (GPT-2's position ids, BERT's token type ids) that the forward hands to the backward
+# (integer results are never generated)
 OUTSIDE_BLOCKS = {"aten.embedding.default", "aten.embedding_dense_backward.default", "aten.arange.default",
                   "aten.gather.default", "aten.tril.default", "aten.convolution.default",
-                  "aten.convolution_backward.default", "reshape"}
+                  "aten.convolution_backward.default", "reshape", "expand"}
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama", "bert", "vit"])
