@@ -147,3 +147,33 @@ def test_gpt2_trains_with_dropout_when_seeds_are_fixed():
     got, want = _grads(model, lambda fn: fn(ids, labels=ids).loss, compiled, seed=123)
     _assert_grads_close(got, want)
     assert any("native_dropout" in f for p in egc.last_plans() for f in p.fallbacks)  # torch's random stream
+
+
+def test_compiled_model_follows_mode_dtype_and_weight_changes():
+    """One torch.compile'd model through eval, train (with gradients), load_state_dict, parameter
+    reassignment and .to(bfloat16): every call matches eager on the model as it is now."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Dropout(0.5), torch.nn.GELU(),
+                                torch.nn.LayerNorm(32), torch.nn.Linear(32, 8))
+    x = torch.randn(4, 16)
+    compiled = _compile(model)
+
+    def same(tol=1e-5):
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(x), model(x), atol=tol, rtol=tol)
+
+    model.eval()
+    same()
+    model.train()  # dropout on: gradients under one seed, against eager's
+    got, want = _grads(model, lambda fn: fn(x).square().sum(), compiled, seed=7)
+    _assert_grads_close(got, want)
+    model.eval()
+    fresh = {k: torch.randn_like(v) for k, v in model.state_dict().items()}
+    model.load_state_dict(fresh)
+    same()
+    model[0].weight = torch.nn.Parameter(torch.randn(32, 16))
+    same()
+    model.to(torch.bfloat16)
+    x = x.to(torch.bfloat16)
+    same(tol=3e-2)
+    assert len(egc.last_plans()) >= 4  # eval; train forward and backward; bfloat16: each compiled
