@@ -238,11 +238,53 @@ def _import(source: str):
     return module
 
 
+WARM_MIN_KERNELS = 8  # fewer kernels compile faster in this process than a child Python starts
+WORKERS_ENV = "EGC_COMPILE_WORKERS"  # child processes that compile a module's kernels (0: none); default 8
+
+
+def warm_in_parallel(source: str, kernels: list[LoopKernel]) -> None:
+    """Compile a module's kernels for this machine's GPU in child processes
+    (as Inductor's compile workers do): each child runs `warmup` on its share,
+    which stores the binaries in Triton's on-disk cache, where this process's
+    first launch finds them.  Best effort: a kernel a child did not compile is
+    compiled at its first launch, as before (errors surface there)."""
+    import json
+    import subprocess
+    path = _module_path(source)
+    specs = [(k.name, [p.dtype for p in k.params], shape.xblock, shape.rblock, shape.warps)
+             for k in kernels for shape in [_Kernel(k)]]
+    workers = min(int(os.environ.get(WORKERS_ENV, "8")), os.cpu_count() or 1, -(-len(specs) // 4))
+    children = [subprocess.Popen([sys.executable, "-c", _WARM, str(path), json.dumps(specs[i::workers])],
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for i in range(workers)]
+    for child in children:
+        child.wait()
+
+
+_WARM = """
+import importlib.util, json, sys
+import torch
+path, specs = sys.argv[1], json.loads(sys.argv[2])
+spec = importlib.util.spec_from_file_location("egc_warm", path)
+module = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = module
+spec.loader.exec_module(module)
+for name, dtypes, xblock, rblock, warps in specs:
+    try:
+        getattr(module, name).warmup(*[getattr(torch, d) for d in dtypes], grid=(1,), XBLOCK=xblock, RBLOCK=rblock,
+                                     num_warps=warps, enable_fp_fusion=False)
+    except Exception:
+        pass
+"""
+
+
 def load(source: str, kernels: list[LoopKernel]):
     """Write the module into the cache (Triton reads a kernel's source from its
     file), import it, and wrap each kernel as a launch over its grid."""
     compiled_now = not _module_path(source).exists()
     module = _import(source)
+    if (compiled_now and len(kernels) >= WARM_MIN_KERNELS and os.environ.get(WORKERS_ENV, "8") != "0"
+            and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")):
+        warm_in_parallel(source, kernels)
     calls = {}
     for k in kernels:
         shape = _Kernel(k)
