@@ -51,6 +51,7 @@ class Options:
     dot: bool = False  # keep the saturated e-graph as Graphviz DOT text (levels.dot)
     trust_rules: bool = False  # skip the numerical check of user rules
     cuda_graphs: bool = False  # replay the program as one CUDA graph (cuda target; graphs.py)
+    alias_inputs: bool = False  # outputs that view an input are returned as views, not copies
 
 
 @dataclass
@@ -162,7 +163,7 @@ def _extract(eclasses, graph: Graph, profile, options: Options, target) -> Plan:
     """Greedy by default; with extraction='ilp' also the integer program, and
     the plan with the lower estimated cost wins.  Both costs are reported."""
     best, dag_cost = extract_kernels(eclasses, graph, profile)
-    plan = make_plan(best, profile, target)
+    plan = make_plan(best, profile, target, options.alias_inputs)
     plan.extraction = (f"extraction: greedy (DAG cost {dag_cost * 1e6:.1f}us, plan {plan.cost * 1e6:.1f}us) "
                        f"over {eclasses.enode_count} e-nodes")
     if options.extraction != "ilp":
@@ -171,7 +172,8 @@ def _extract(eclasses, graph: Graph, profile, options: Options, target) -> Plan:
     if result.choice is None:
         plan.extraction += f"; ilp: {result.status}, kept greedy"
         return plan
-    ilp_plan = make_plan(build(eclasses, ilp.as_extractor(eclasses, profile, result.choice), graph), profile, target)
+    ilp_plan = make_plan(build(eclasses, ilp.as_extractor(eclasses, profile, result.choice), graph), profile, target,
+                         options.alias_inputs)
     winner = ilp_plan if ilp_plan.cost < plan.cost else plan
     winner.extraction = (plan.extraction + f"; ilp: {result.status}, objective {result.objective * 1e6:.1f}us, "
                          f"plan {ilp_plan.cost * 1e6:.1f}us; chose {'ilp' if winner is ilp_plan else 'greedy'}")

@@ -6,7 +6,9 @@ generated code does not handle).  Kernel boundaries come from extraction: an
 operand behind an `inline` node is computed inside its consumer's kernel, any
 other operand is a tensor in memory.  Layout ops are views: they never form a
 kernel of their own but become index maps in the loads that read them (torch
-views before a library call); a layout op that is a program output is copied.
+views before a library call); a program output that is a view of a stored
+tensor is that view (the runtime copies it where it is not contiguous, or views
+an input the caller owns).
 """
 from __future__ import annotations
 
@@ -50,6 +52,7 @@ class Plan:
     fallbacks: list[str] = field(default_factory=list)  # "op (where)", one per fallback kernel
     rules_fired: dict[str, int] = field(default_factory=dict)
     extraction: str = ""  # how extraction chose, and its costs
+    alias_inputs: bool = False  # outputs that view an input are returned as views (no copy kernel)
 
     @property
     def cost(self) -> float:
@@ -74,20 +77,20 @@ class Plan:
         return "\n".join(lines)
 
 
-def make_plan(graph: Graph, profile: DeviceProfile, target) -> Plan:
+def make_plan(graph: Graph, profile: DeviceProfile, target, alias_inputs: bool = False) -> Plan:
     """One kernel per materialised node, in dependency order.  Fusion rules
     judge each edge alone, so a kernel can hold reductions that no single
     loop nest computes (rows feeding a reduction over columns): the index-map
     check of lowering names those inline edges, which become materialised."""
     while True:
-        plan = _kernels(graph, profile, target)
+        plan = _kernels(graph, profile, target, alias_inputs)
         cut = set().union(*(illegal_edges(k.output) for k in plan.kernels if k.kind == "generated"))
         if not cut:
             return plan
         graph = _rebuild(graph, cut)
 
 
-def _kernels(graph: Graph, profile: DeviceProfile, target) -> Plan:
+def _kernels(graph: Graph, profile: DeviceProfile, target, alias_inputs: bool = False) -> Plan:
     outputs = {id(o) for o in graph.outputs}
     kernels: list[Kernel] = []
     fallbacks: list[str] = []
@@ -100,7 +103,7 @@ def _kernels(graph: Graph, profile: DeviceProfile, target) -> Plan:
         if node.group == "source":
             done.add(id(node))
             continue
-        if node.group == "layout" and id(node) not in outputs and view_source(node).op != "inline":
+        if node.group == "layout" and view_source(node).op != "inline":
             done.add(id(node))
             stack.append((node.args[0], False))  # a view: only its source must exist
             continue
@@ -116,7 +119,7 @@ def _kernels(graph: Graph, profile: DeviceProfile, target) -> Plan:
         kernels.append(kernel)
         if kind == "aten":
             fallbacks.append(_fallback_entry(node, reason, graph))
-    return Plan(graph, kernels, fallbacks)
+    return Plan(graph, kernels, fallbacks, alias_inputs=alias_inputs)
 
 
 def _fallback_entry(node: Node, reason: str, graph: Graph) -> str:

@@ -144,6 +144,8 @@ class Executable:
         value = self._tensor(node, env)
         if node.op == "const":
             return value.clone()
+        if view_source(node).op == "input" and self.plan.alias_inputs and not copy:
+            return value  # a view of the caller's tensor, as torch returns it
         if copy or view_source(node).op == "input" or not value.is_contiguous():
             return value.clone(memory_format=torch.contiguous_format)  # never alias the caller's tensors
         return value
