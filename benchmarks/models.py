@@ -16,15 +16,13 @@ rounds.  Also reported: cold compile (first call) time, and ours' kernels by kin
 """
 from __future__ import annotations
 
-import argparse
-import json
-import statistics
 import sys
 import time
 
 import torch
 
 import egraph_compiler as egc
+from benchmarks.common import interleaved, model_parser, run_models
 from benchmarks.run import TOL, check, short_error, sync, time_block
 
 SIZES = {  # layers, hidden, heads, batch, sequence (ViT: image side = 4 * sequence ** 0.5)
@@ -102,18 +100,13 @@ def bench_model(name: str, args) -> dict:
                                                                                            "aten")}
                 row["fallbacks"] = sorted({f.split(" ")[0] for p in egc.last_plans() for f in p.fallbacks})
                 row["estimated_ms"] = sum(p.cost for p in egc.last_plans()) * 1e3  # the cost model's, beside the clock
-        rounds = {v: [] for v in callables}
         for f in callables.values():  # warm-up
             for _ in range(3):
                 f(*inputs)
         inner = {v: max(1, int(0.05 / max(min(time_block(f, inputs, 1, device) for _ in range(3)), 1e-6)))
                  for v, f in callables.items()}
-        order = list(callables)
-        for r in range(args.reps):
-            shift = r % len(order)
-            for v in order[shift:] + order[:shift]:
-                rounds[v].append(1e3 * time_block(callables[v], inputs, min(inner[v], 200), device))
-    row["ms"] = {v: statistics.median(t) for v, t in rounds.items()}
+        row["ms"] = interleaved(lambda v: 1e3 * time_block(callables[v], inputs, min(inner[v], 200), device),
+                                list(callables), args.reps)
     torch._dynamo.reset()
     return row
 
@@ -135,26 +128,10 @@ def markdown(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", choices=sorted(SIZES), default="cpu")
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    parser.add_argument("--models", default=",".join(MODELS))
-    parser.add_argument("--reps", type=int, default=11)
+    parser = model_parser(__doc__, ",".join(MODELS), reps=11)
     parser.add_argument("--mode", default=None, help='torch.compile mode for both (e.g. "reduce-overhead": CUDA graphs)')
-    parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
-    rows = []
-    for name in args.models.split(","):
-        print(f"[models] {name} ...", file=sys.stderr, flush=True)
-        rows.append(bench_model(name, args))
-        print(f"[models] {name}: {rows[-1]['status']} {rows[-1]['ms']}", file=sys.stderr, flush=True)
-    print(f"\n## {args.size} size, {args.device}, {args.dtype}, mode {args.mode} (torch {torch.__version__})\n")
-    print(markdown(rows))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1, default=str)
-    return 0 if all(v == "ok" for r in rows for v in r["status"].values()) else 1
+    return run_models("models", args, bench_model, markdown, f"inference, mode {args.mode}")
 
 
 if __name__ == "__main__":

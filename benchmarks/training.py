@@ -13,10 +13,7 @@ variants interleaved per round, a block of steps per round, medians of the round
 """
 from __future__ import annotations
 
-import argparse
 import copy
-import json
-import statistics
 import sys
 import time
 import traceback
@@ -24,7 +21,8 @@ import traceback
 import torch
 
 import egraph_compiler as egc
-from benchmarks.models import MODELS, SIZES, make
+from benchmarks.common import interleaved, model_parser, run_models
+from benchmarks.models import SIZES, make
 from benchmarks.run import short_error, sync
 
 
@@ -93,18 +91,15 @@ def bench_model(name: str, args) -> dict:
         for _ in range(3):
             s()
     sync(device)
-    rounds = {v: [] for v in runnable}
-    order = list(runnable)
-    for r in range(args.reps):
-        shift = r % len(order)
-        for v in order[shift:] + order[:shift]:
-            sync(device)
-            t0 = time.perf_counter()
-            for _ in range(args.block):
-                runnable[v]()
-            sync(device)
-            rounds[v].append(1e3 * (time.perf_counter() - t0) / args.block)
-    row["ms"] = {v: statistics.median(t) for v, t in rounds.items()}
+
+    def measure(v: str) -> float:
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(args.block):
+            runnable[v]()
+        sync(device)
+        return 1e3 * (time.perf_counter() - t0) / args.block
+    row["ms"] = interleaved(measure, list(runnable), args.reps)
     torch._dynamo.reset()
     return row
 
@@ -123,28 +118,9 @@ def markdown(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", choices=sorted(SIZES), default="cpu")
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    parser.add_argument("--models", default="gpt2")
-    parser.add_argument("--reps", type=int, default=7)
+    parser = model_parser(__doc__, "gpt2", reps=7)
     parser.add_argument("--block", type=int, default=3)
-    parser.add_argument("--json", default=None)
-    args = parser.parse_args(argv)
-    rows = []
-    for name in args.models.split(","):
-        if name not in MODELS:
-            parser.error(f"unknown model {name!r} (known: {', '.join(MODELS)})")
-        print(f"[training] {name} ...", file=sys.stderr, flush=True)
-        rows.append(bench_model(name, args))
-        print(f"[training] {name}: {rows[-1]['status']} {rows[-1]['ms']}", file=sys.stderr, flush=True)
-    print(f"\n## training step, {args.size} size, {args.device}, {args.dtype} (torch {torch.__version__})\n")
-    print(markdown(rows))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1, default=str)
-    return 0 if all(v == "ok" for r in rows for v in r["status"].values()) else 1
+    return run_models("training", parser.parse_args(argv), bench_model, markdown, "training step")
 
 
 if __name__ == "__main__":

@@ -3,11 +3,16 @@
 `compile(..., cuda_graphs=True)` (or `torch.compile(..., mode="reduce-overhead")`)
 on the cuda target: the first call runs the straight-line wrapper as usual
 (Triton compiles, cuBLAS initialises); the second records it into a CUDA graph
-over static copies of the user's inputs; every later call copies the inputs in,
-replays the graph (one launch for the whole program, no Python per kernel) and
+and replays it (one launch for the whole program, no Python per kernel), and
 returns copies of the outputs (the next replay overwrites the graph's own).
-Parameters and buffers are read in place: a parameter that now lives elsewhere
-(reassigned, `.to()`, a new `load_state_dict` tensor) records the graph again.
+
+Inputs are read in place when they stay put: parameters and buffers, and any
+argument whose storage was the same on the two calls before recording (through
+Dynamo a module's parameters are arguments; copying each one in per replay
+would cost a launch per parameter, as Inductor's static inputs avoid). Their
+addresses are checked per replay; one that moved records the graph again and
+from then on is copied into a static buffer, so an argument that is a fresh
+tensor per call costs one copy, and recordings are bounded by the inputs.
 
 A program that cannot be recorded (an ATen fallback that synchronises with the
 host or allocates outside the graph's pool) runs without a graph, with a
@@ -26,6 +31,10 @@ class GraphedRunner:
     def __init__(self, run, user_ids: list[int], name: str = "program"):
         self._run, self._user_ids, self._name = run, user_ids, name
         self._calls = 0
+        self._last: dict[int, int] = {}  # user input -> its data_ptr on the previous call
+        self._moved: set[int] = set()  # user inputs seen at two addresses: copied per replay
+        self._copied: list[int] = []  # user inputs copied into static buffers by this recording
+        self._in_place: list[tuple[int, int]] = []  # (user input, the address the graph reads)
         self._graph = None
         self._static: dict[int, torch.Tensor] = {}
         self._out: dict[int, torch.Tensor] = {}
@@ -36,15 +45,25 @@ class GraphedRunner:
     def recorded(self) -> bool:
         return self._graph is not None
 
+    @property
+    def copied_inputs(self) -> int:
+        """How many user inputs each replay copies in (the rest are read in place)."""
+        return len(self._copied)
+
     def __call__(self, env: dict[int, torch.Tensor]) -> tuple[dict[int, torch.Tensor], bool]:
         """(the wrapper's env, whether its tensors belong to the graph and must be copied)."""
         self._calls += 1
-        if self.disabled or self._calls < 2:
+        if self.disabled:
             return self._run(env), False
-        if self._graph is None or self._bound_ptrs != self._pointers(env):
+        if self._calls < 2:
+            self._last = {key: env[key].data_ptr() for key in self._user_ids}
+            return self._run(env), False
+        moved = [key for key, ptr in self._in_place if env[key].data_ptr() != ptr]
+        if self._graph is None or moved or self._bound_ptrs != self._pointers(env):
+            self._moved.update(moved)
             if not self._record(env):
                 return self._run(env), False
-        for key in self._user_ids:
+        for key in self._copied:
             self._static[key].copy_(env[key])
         self._graph.replay()
         return self._out, True
@@ -54,8 +73,11 @@ class GraphedRunner:
         return {k: (v.data_ptr(), tuple(v.shape), tuple(v.stride())) for k, v in env.items() if k not in users}
 
     def _record(self, env) -> bool:
+        if self._graph is None and not self._in_place:  # the first recording: who stayed put since the last call
+            self._moved.update(key for key in self._user_ids if env[key].data_ptr() != self._last.get(key))
         static = dict(env)
-        for key in self._user_ids:
+        copied = [key for key in self._user_ids if key in self._moved]
+        for key in copied:
             static[key] = env[key].clone()
         graph = torch.cuda.CUDAGraph()
         try:
@@ -73,6 +95,7 @@ class GraphedRunner:
             warnings.warn(f"egraph-compiler: CUDA graphs are off for this {self._name} ({self.disabled}); it runs "
                           f"kernel by kernel", stacklevel=4)
             return False
-        self._graph, self._static, self._out = graph, static, out
+        self._graph, self._static, self._out, self._copied = graph, static, out, copied
+        self._in_place = [(key, env[key].data_ptr()) for key in self._user_ids if key not in self._moved]
         self._bound_ptrs = self._pointers(env)
         return True

@@ -102,3 +102,27 @@ def test_reduce_overhead_mode_through_torch_compile():
             x = torch.randn(8, 64, device="cuda")
             torch.testing.assert_close(compiled(x), model(x), atol=1e-4, rtol=1e-4)
     assert [c.cuda_graph for c in egc.last_compiled()] == ["recorded"]
+
+
+def test_cuda_graphs_read_parameters_in_place_and_follow_moved_inputs():
+    """Through Dynamo the parameters are arguments: a replay reads them where they are (no copy per
+    parameter), sees in-place updates (an optimizer step), and an argument that moves is re-recorded
+    and copied from then on; every result matches eager."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 32)).cuda()
+    torch._dynamo.reset()
+    egc.last_plans(clear=True)
+    compiled = torch.compile(model, backend="egraph", mode="reduce-overhead")
+    x = torch.randn(8, 64, device="cuda")
+    with torch.no_grad():
+        for step in range(6):
+            if step == 3:
+                model[0].weight.mul_(0.5)  # in place: same address, new values
+            x.copy_(torch.randn(8, 64, device="cuda"))  # the same argument tensor, new values
+            torch.testing.assert_close(compiled(x), model(x), atol=1e-4, rtol=1e-4)
+        graphed = egc.last_compiled()[-1]._executable.graphed
+        assert graphed.recorded and graphed.copied_inputs == 0
+        for _ in range(3):  # fresh argument tensors: recorded again once, then x is copied per replay
+            y = torch.randn(8, 64, device="cuda")
+            torch.testing.assert_close(compiled(y), model(y), atol=1e-4, rtol=1e-4)
+        assert graphed.copied_inputs == 1
