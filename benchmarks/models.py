@@ -107,8 +107,26 @@ def bench_model(name: str, args) -> dict:
                  for v, f in callables.items()}
         row["ms"] = interleaved(lambda v: 1e3 * time_block(callables[v], inputs, min(inner[v], 200), device),
                                 list(callables), args.reps)
+        if args.profile:
+            row["profile"] = {v: profile(f, inputs, args.profile) for v, f in callables.items()}
     torch._dynamo.reset()
     return row
+
+
+def profile(fn, inputs, top: int, calls: int = 5) -> list[tuple[str, int, float]]:
+    """Where one call's time goes: the `top` kernels / host ops by self time, as
+    (name, count per call, microseconds per call), from torch.profiler."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with torch_profile(activities=activities) as prof:
+        for _ in range(calls):
+            fn(*inputs)
+        sync("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.cuda.is_available()
+    events = sorted(prof.key_averages(), key=lambda e: -(e.self_device_time_total if device else e.self_cpu_time_total))
+    return [(e.key[:90], e.count // calls, (e.self_device_time_total if device else e.self_cpu_time_total) / calls)
+            for e in events[:top]]
 
 
 def markdown(rows: list[dict]) -> str:
@@ -130,6 +148,8 @@ def markdown(rows: list[dict]) -> str:
 def main(argv=None) -> int:
     parser = model_parser(__doc__, ",".join(MODELS), reps=11)
     parser.add_argument("--mode", default=None, help='torch.compile mode for both (e.g. "reduce-overhead": CUDA graphs)')
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="also list each variant's N costliest kernels per call (torch.profiler; in --json)")
     args = parser.parse_args(argv)
     return run_models("models", args, bench_model, markdown, f"inference, mode {args.mode}")
 
