@@ -91,7 +91,6 @@ def make_plan(graph: Graph, profile: DeviceProfile, target, alias_inputs: bool =
 
 
 def _kernels(graph: Graph, profile: DeviceProfile, target, alias_inputs: bool = False) -> Plan:
-    outputs = {id(o) for o in graph.outputs}
     kernels: list[Kernel] = []
     fallbacks: list[str] = []
     done: set[int] = set()

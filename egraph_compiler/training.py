@@ -18,6 +18,8 @@ from torch._decomp import get_decompositions
 from torch._dynamo.backends.common import aot_autograd
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+from .capture import retarget
+
 aten = torch.ops.aten
 
 DECOMPOSED = [
@@ -59,10 +61,8 @@ def training_backend(gm: torch.fx.GraphModule, example_inputs, compile_graph):
     """A Dynamo graph that needs gradients: forward and backward graphs, each
     compiled by `compile_graph(gm)` -> callable(*args) returning a tuple
     (api._PerSize: one program per distinct size)."""
-    for node in gm.graph.nodes:  # attention's math, before autograd sees torch's fused kernel
-        if node.op == "call_function" and node.target in _SDPA_TARGETS:
-            node.target = _sdpa_math
-    gm.recompile()
+    retarget(gm, _SDPA_TARGETS, _sdpa_math)  # attention's math, before autograd sees torch's fused kernel
+
     def compiler(graph: torch.fx.GraphModule, inputs):
         run = compile_graph(graph)
         shapes_known = all(not isinstance(x, torch.Tensor) or all(isinstance(d, int) for d in x.shape)

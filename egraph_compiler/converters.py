@@ -1,0 +1,323 @@
+"""Converters: each ATen op the op table models -> Graph IR nodes.
+
+CONVERTERS maps an ATen overload to a function of its (converted) arguments
+that builds the op table's nodes, or returns None for a form the table does not
+model (the op then runs through ATen, named in the plan).  capture.py walks the
+fx graph and calls these; they never see torch.fx.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import ops
+from .graph import Node, const
+
+aten = torch.ops.aten
+
+
+def _t(x):
+    return x if isinstance(x, Node) else const(x)
+
+
+def _neg_dims(dims, rank):
+    if dims is None or dims == []:
+        dims = list(range(rank))
+    if isinstance(dims, int):
+        dims = [dims]
+    return tuple(sorted(ops.norm_dim(d, rank) - rank for d in dims)) if rank else ()
+
+
+def _reduce(op):
+    def convert(x, dims=None, keepdim=False, dtype=None):
+        if dtype is not None:
+            return None
+        return Node.make(op, (x,), {"dims": _neg_dims(dims, len(x.shape)), "keepdim": bool(keepdim)})
+    return convert
+
+
+def _binary(op):
+    def convert(a, b, alpha=1):
+        b = _t(b)
+        if alpha != 1:
+            b = Node.make("mul", (b, const(alpha)))
+        return Node.make(op, (_t(a), b))
+    return convert
+
+
+def _unary(op):
+    return lambda x: Node.make(op, (x,))
+
+
+def _transpose(x, d0, d1):
+    r = len(x.shape)
+    d0, d1 = sorted((ops.norm_dim(d0, r) - r, ops.norm_dim(d1, r) - r))
+    return x if d0 == d1 else Node.make("transpose", (x,), {"dim0": d0, "dim1": d1})
+
+
+def _reshape(x, shape):
+    shape = list(shape)
+    if -1 in shape:
+        known = 1
+        for s in shape:
+            known *= s if s != -1 else 1
+        shape[shape.index(-1)] = x.numel // known if known else 0
+    return x if tuple(shape) == x.shape else Node.make("reshape", (x,), {"shape": tuple(shape)})
+
+
+def _slice(x, dim=0, start=None, end=None, step=1):
+    r = len(x.shape)
+    d = ops.norm_dim(dim, r)
+    start, end, _ = slice(start, end, step).indices(x.shape[d])
+    if (start, end, step) == (0, x.shape[d], 1):
+        return x
+    return Node.make("slice", (x,), {"dim": d - r, "start": start, "end": end, "step": step})
+
+
+def _cat(tensors, dim=0):
+    """torch.cat of n tensors: nested two-operand cats (empty operands dropped; torch also skips
+    legacy 1-D empty tensors of another rank)."""
+    tensors = [t for t in tensors if 0 not in t.shape] or list(tensors[:1])
+    if len({len(t.shape) for t in tensors}) != 1:
+        return None
+    out = tensors[0]
+    for t in tensors[1:]:
+        out = Node.make("cat", (out, t), {"dim": ops.norm_dim(dim, len(t.shape)) - len(t.shape)})
+    return out
+
+
+def _split(x, size, dim=0):
+    d = ops.norm_dim(dim, len(x.shape))
+    sizes = size if isinstance(size, list) else [size] * -(-x.shape[d] // size)
+    out, start = [], 0
+    for s in sizes:
+        out.append(_slice(x, dim, start, min(start + s, x.shape[d])))
+        start += s
+    return out
+
+
+def _squeeze(x, dims=None):
+    dims = range(len(x.shape)) if dims is None else ([dims] if isinstance(dims, int) else dims)
+    drop = {ops.norm_dim(d, len(x.shape)) for d in dims if x.shape[d] == 1}
+    return _reshape(x, [s for i, s in enumerate(x.shape) if i not in drop])
+
+
+def _unsqueeze(x, dim):
+    d = ops.norm_dim(dim, len(x.shape) + 1)
+    return _reshape(x, list(x.shape[:d]) + [1] + list(x.shape[d:]))
+
+
+def _select(x, dim, index):
+    d = ops.norm_dim(dim, len(x.shape))
+    index = index % x.shape[d]
+    return _reshape(_slice(x, d, index, index + 1), x.shape[:d] + x.shape[d + 1:])
+
+
+def _expand(x, shape):
+    shape = [x.shape[i - (len(shape) - len(x.shape))] if s == -1 else s for i, s in enumerate(shape)]
+    return x if tuple(shape) == x.shape else Node.make("expand", (x,), {"shape": tuple(shape)})
+
+
+def _cast(x, dtype=None, **kw):
+    if dtype is None or set(kw) - {"layout", "device", "pin_memory", "non_blocking", "memory_format"}:
+        return None
+    name = str(dtype).removeprefix("torch.")
+    return x if name == x.dtype else Node.make("cast", (x,), {"dtype": name})
+
+
+def _layer_norm(x, shape, w=None, b=None, eps=1e-5, cudnn=False):
+    return Node.make("layer_norm", (x, w if w is not None else const(1.0), b if b is not None else const(0.0)),
+                     {"ndim": len(shape), "eps": float(eps)})
+
+
+def _rms_norm(x, shape, w=None, eps=None):
+    eps = torch.finfo(getattr(torch, x.dtype)).eps if eps is None else eps
+    return Node.make("rms_norm", (x, w if w is not None else const(1.0)), {"ndim": len(shape), "eps": float(eps)})
+
+
+def _softmax(op, internal=False):
+    """softmax.int(x, dim, dtype=None) or _softmax(x, dim, half_to_float)."""
+    def convert(x, dim, third=None, dtype=None):
+        dtype = dtype if internal else (third if third is not None else dtype)
+        if (internal and third) or (dtype is not None and str(dtype).removeprefix("torch.") != x.dtype):
+            return None
+        if not x.shape:  # a 0-d tensor: torch treats it as one row of one element
+            row = Node.make(op, (Node.make("reshape", (x,), {"shape": (1,)}),), {"dim": -1})
+            return Node.make("reshape", (row,), {"shape": ()})
+        return Node.make(op, (x,), {"dim": ops.norm_dim(dim, len(x.shape)) - len(x.shape)})
+    return convert
+
+
+def _sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    if dropout_p != 0.0:
+        return None
+    heads = [x.shape[-3] if len(x.shape) >= 3 else None for x in (q, k, v)]
+    if enable_gqa and not (ops.gqa(q.shape, k.shape, v.shape) or heads[1] == heads[2] in (1, heads[0])):
+        return None  # (GQA over equal heads, or one k/v head, is plain broadcasting attention)
+    scale = float(scale) if scale is not None else q.shape[-1] ** -0.5
+    if attn_mask is not None:
+        return Node.make("sdpa_mask", (q, k, v, _t(attn_mask)), {"scale": scale, "causal": bool(is_causal)})
+    return Node.make("sdpa", (q, k, v), {"scale": scale, "causal": bool(is_causal)})
+
+
+def _var_mean(x, dims=None, correction=None, keepdim=False):
+    """(var, mean) as primitives: the mean, then the mean square deviation from it."""
+    dims = _neg_dims(dims, len(x.shape))
+    correction = 1 if correction is None else correction
+    count = math.prod(x.shape[d] for d in dims)
+    if count - correction <= 0 or not x.dtype.startswith(("float", "bfloat")):
+        return None  # torch's inf/nan for too few elements, and integer inputs: ATen
+    mean = Node.make("mean", (x,), {"dims": dims, "keepdim": True})
+    centred = Node.make("sub", (x, mean))
+    squares = Node.make("sum", (Node.make("mul", (centred, centred)),), {"dims": dims, "keepdim": bool(keepdim)})
+    var = Node.make("div", (squares, const(float(count - correction))))
+    return [var, mean if keepdim else Node.make("mean", (x,), {"dims": dims, "keepdim": False})]
+
+
+def _safe_softmax(x, dim, dtype=None):
+    """softmax whose rows of -inf only (attention rows that mask every key) are 0, not NaN."""
+    soft = _softmax("softmax")(x, dim, dtype)
+    if soft is None or not x.shape:
+        return soft
+    top = Node.make("amax", (x,), {"dims": (ops.norm_dim(dim, len(x.shape)) - len(x.shape),), "keepdim": True})
+    return Node.make("where", (Node.make("gt", (top, const(-math.inf))), soft, const(0.0)))
+
+
+def _logical(op):
+    """and / or / not over bool tensors, as `where` (exact: no arithmetic); integers: ATen."""
+    def convert(a, b=None):
+        if not all(isinstance(x, Node) and x.dtype == "bool" for x in (a, b) if x is not None):
+            return None
+        if op == "not":
+            return Node.make("eq", (a, const(0.0)))
+        return Node.make("where", (a, b, const(0.0)) if op == "and" else (a, const(1.0), b))
+    return convert
+
+
+def _where(c, a, b):
+    return Node.make("where", (c, _t(a), _t(b)))
+
+
+def _gelu(x, approximate="none"):
+    return Node.make("gelu" if approximate == "none" else "gelu_tanh", (x,))
+
+
+def _div(a, b, rounding_mode=None):
+    return None if rounding_mode is not None else Node.make("div", (_t(a), _t(b)))
+
+
+def _addmm(bias, a, b, beta=1, alpha=1):
+    if beta != 1 or alpha != 1:
+        return None
+    return Node.make("add", (Node.make("matmul", (a, b)), bias))
+
+
+def _linear(x, w, b=None):
+    if len(w.shape) == 1:  # x @ w: the library's linear (an addmm with a bias) needs a matrix
+        out = Node.make("matmul", (x, w))
+        return out if b is None else Node.make("add", (out, b))
+    return Node.make("linear", (x, w, b if b is not None else const(0.0)))
+
+
+def _conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
+    pair = (lambda v: tuple(v) * (2 // len(v)) if isinstance(v, (list, tuple)) else (v, v))
+    if isinstance(padding, str) or len(x.shape) != 4:  # padding="same"/"valid", unbatched input: ATen
+        return None
+    return Node.make("conv2d", (x, w, b if b is not None else const(0.0)),
+                     {"stride": pair(stride), "padding": pair(padding), "dilation": pair(dilation), "groups": groups})
+
+
+def _fill(value, shape, dtype=None, like=None, **kwargs):
+    """A tensor of one value (zeros, ones, full, scalar_tensor, new_zeros...): a constant broadcast
+    by an index map, never stored unless it is an output."""
+    if set(kwargs) - {"layout", "device", "pin_memory", "memory_format", "requires_grad"} or kwargs.get(
+            "requires_grad"):
+        return None
+    name = str(dtype).removeprefix("torch.") if dtype is not None else (like.dtype if like else "float32")
+    if name not in ("float32", "float16", "bfloat16", "float64", "bool") or isinstance(value, complex):
+        return None  # integer fills: ATen (generated code computes in floating point)
+    scalar = Node.make("cast", (const(value),), {"dtype": name})
+    return scalar if not shape else Node.make("expand", (Node.make("reshape", (scalar,), {"shape": (1,) * len(
+        shape)}),), {"shape": tuple(int(d) for d in shape)})
+
+
+def _slice_backward(grad, sizes, dim, start, end, step):
+    """The gradient of a slice: the slice's gradient with zeros around it."""
+    d = ops.norm_dim(dim, len(sizes))
+    start, end, step = slice(start, end, step).indices(sizes[d])
+    if step != 1:
+        return None
+    parts = []
+    for length, part in ((start, None), (end - start, grad), (sizes[d] - end, None)):
+        if length > 0:
+            parts.append(part if part is not None else _fill(0.0, [*sizes[:d], length, *sizes[d + 1:]], like=grad))
+    return _cat(parts, d) if parts else grad
+
+
+def _identity(x, *args, **kwargs):
+    return x if not kwargs.get("dtype") else None
+
+
+CONVERTERS = {
+    aten.gelu.default: _gelu,
+    aten.div.Tensor: _binary("div"), aten.div.Scalar: _binary("div"), aten.div.Tensor_mode: _div,
+    aten.pow.Tensor_Scalar: _binary("pow"), aten.pow.Tensor_Tensor: _binary("pow"),
+    aten.pow.Scalar: lambda a, b: Node.make("pow", (const(a), b)),
+    aten.sum.dim_IntList: _reduce("sum"), aten.sum.default: _reduce("sum"),
+    aten.mean.dim: _reduce("mean"), aten.mean.default: _reduce("mean"), aten.amax.default: _reduce("amax"),
+    aten.where.self: _where, aten.where.ScalarOther: _where, aten.where.ScalarSelf: _where,
+    aten.where.Scalar: _where,
+    aten.transpose.int: _transpose, aten.t.default: lambda x: _transpose(x, 0, 1) if len(x.shape) == 2 else x,
+    aten.permute.default: lambda x, dims: Node.make("permute", (x,), {"dims": tuple(
+        ops.norm_dim(d, len(x.shape)) for d in dims)}),
+    aten.view.default: _reshape, aten._unsafe_view.default: _reshape, aten.reshape.default: _reshape,
+    aten.expand.default: _expand, aten.slice.Tensor: _slice, aten.cat.default: _cat, aten.split.Tensor: _split,
+    aten.split_with_sizes.default: _split, aten.squeeze.dim: _squeeze, aten.squeeze.dims: _squeeze,
+    aten.squeeze.default: _squeeze, aten.unsqueeze.default: _unsqueeze, aten.select.int: _select,
+    aten.clone.default: _identity, aten.alias.default: _identity, aten.detach.default: _identity,
+    aten.contiguous.default: _identity, aten.lift_fresh_copy.default: _identity,
+    aten._to_copy.default: _cast, aten.to.dtype: lambda x, dtype, *a, **k: _cast(x, dtype),
+    aten.type_as.default: lambda x, other: _cast(x, other.dtype),
+    aten.softmax.int: _softmax("softmax"), aten._softmax.default: _softmax("softmax", internal=True),
+    aten._safe_softmax.default: _safe_softmax, aten.log_softmax.int: _softmax("log_softmax"),
+    aten._log_softmax.default: _softmax("log_softmax", internal=True),
+    aten.layer_norm.default: _layer_norm, aten.rms_norm.default: _rms_norm,
+    aten.matmul.default: lambda a, b: Node.make("matmul", (a, b)),
+    aten.mm.default: lambda a, b: Node.make("matmul", (a, b)),
+    aten.bmm.default: lambda a, b: Node.make("matmul", (a, b)),
+    aten.linear.default: _linear, aten.conv2d.default: _conv2d,
+    aten.addmm.default: _addmm, aten.scaled_dot_product_attention.default: _sdpa,
+    aten.var_mean.correction: _var_mean, aten.var.correction: lambda *a, **k: (_var_mean(*a, **k) or [None])[0],
+    aten.var_mean.dim: lambda x, dim=None, unbiased=True, keepdim=False: _var_mean(x, dim, int(unbiased), keepdim),
+    aten.var.dim: lambda x, dim=None, unbiased=True, keepdim=False: (_var_mean(x, dim, int(unbiased), keepdim)
+                                                                     or [None])[0],
+    aten.slice_backward.default: _slice_backward,
+    aten.select_backward.default: lambda g, sizes, dim, i: _slice_backward(
+        _unsqueeze(g, dim), sizes, dim, i % sizes[dim], i % sizes[dim] + 1, 1),
+    aten.full.default: lambda size, value, **kw: _fill(value, size, **kw),
+    aten.zeros.default: lambda size, **kw: _fill(0.0, size, **kw),
+    aten.ones.default: lambda size, **kw: _fill(1.0, size, **kw),
+    aten.scalar_tensor.default: lambda value, **kw: _fill(value, (), **kw),
+    aten.new_zeros.default: lambda x, size, **kw: _fill(0.0, size, like=x, **kw),
+    aten.new_ones.default: lambda x, size, **kw: _fill(1.0, size, like=x, **kw),
+    aten.full_like.default: lambda x, value, **kw: _fill(value, x.shape, like=x, **kw),
+    aten.zeros_like.default: lambda x, **kw: _fill(0.0, x.shape, like=x, **kw),
+    aten.ones_like.default: lambda x, **kw: _fill(1.0, x.shape, like=x, **kw),
+    aten.bitwise_and.Tensor: _logical("and"), aten.__and__.Tensor: _logical("and"),
+    aten.logical_and.default: _logical("and"), aten.bitwise_or.Tensor: _logical("or"),
+    aten.__or__.Tensor: _logical("or"), aten.logical_or.default: _logical("or"),
+    aten.bitwise_not.default: _logical("not"), aten.logical_not.default: _logical("not"),
+    aten.clamp_min.default: lambda x, m: Node.make("maximum", (x, _t(m))),
+    aten.rsub.Scalar: lambda x, other, alpha=1: _binary("sub")(other, x, alpha) if alpha == 1 else None,
+    aten.rsub.Tensor: lambda x, other, alpha=1: _binary("sub")(other, x, alpha) if alpha == 1 else None,
+    aten.reciprocal.default: lambda x: Node.make("div", (const(1.0), x)),
+}
+for _name in ["exp", "log", "tanh", "erf", "cos", "sin", "relu", "sigmoid", "neg", "abs", "sqrt", "rsqrt", "silu"]:
+    CONVERTERS[getattr(aten, _name).default] = _unary(_name)
+for _name in ["add", "sub", "mul", "maximum", "gt", "ge", "lt", "le", "eq", "ne"]:
+    for _overload in ("Tensor", "Scalar", "default"):
+        if hasattr(getattr(aten, _name), _overload):
+            CONVERTERS[getattr(getattr(aten, _name), _overload)] = _binary(_name)
+
+
