@@ -212,6 +212,8 @@ def _sdpa(t, a):
                                               enable_gqa=grouped)
     if not q.is_cuda:
         return call(q, k, v)
+    if mask is not None:
+        mask = _fused_kernel_mask(mask, k.shape[-2], q.dtype)
     # torch's fused CUDA kernels refuse misaligned views ("query is not correctly aligned") and some
     # head sizes with a mask ("no kernel found to launch"): the views as they are (q, k and v are
     # usually slices of one projection, which the kernels read in place), then aligned copies, then
@@ -226,6 +228,21 @@ def _sdpa(t, a):
     except RuntimeError:
         with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
             return call(q, k, v)
+
+
+def _fused_kernel_mask(mask, keys: int, dtype):
+    """A mask torch's fused CUDA attention kernels take (measured on an H200, torch
+    2.11): one that broadcasts along the keys (BERT's `q_idx >= 0`, shape
+    [1, 1, L, 1]) sends torch to its float32 math kernel, 4-5x slower; a boolean
+    mask on cuDNN gives garbage for a fully masked row, where the math kernel
+    gives 0.  So: keys materialised (last stride 1), booleans as an additive
+    0 / -inf mask in q's dtype, with which the fused kernels give 0 for such a
+    row, as the math kernel does."""
+    if mask.shape[-1] != keys or mask.stride(-1) != 1:
+        mask = mask.expand(*mask.shape[:-1], keys).contiguous()
+    if mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+    return mask
 
 
 OPS: dict[str, OpDef] = {}

@@ -126,3 +126,25 @@ def test_cuda_graphs_read_parameters_in_place_and_follow_moved_inputs():
             y = torch.randn(8, 64, device="cuda")
             torch.testing.assert_close(compiled(y), model(y), atol=1e-4, rtol=1e-4)
         assert graphed.copied_inputs == 1
+
+
+@pytest.mark.parametrize("mask_shape", [(1, 1, 128, 1), (2, 1, 128, 128), (2, 1, 1, 128)])
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_sdpa_masks_through_the_fused_kernels(mask_shape, kind):
+    """Masks that broadcast along the keys (BERT's `q_idx >= 0`) and boolean masks are handed to
+    torch's fused kernels in a form they take; fully masked rows give 0 as torch's math kernel."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 128, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    keep = torch.rand(mask_shape, device="cuda") > 0.3
+    keep[..., 3, :] = False  # a fully masked row (where the mask has rows)
+    mask = keep if kind == "bool" else torch.zeros(mask_shape, device="cuda", dtype=torch.bfloat16).masked_fill(
+        ~keep, float("-inf"))
+
+    def attention(q, k, v, mask):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    compiled = egc.compile(attention, [q, k, v, mask])
+    assert [k.output.op for k in compiled.plan.kernels if k.kind == "library"] == ["sdpa_mask"]
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        want = attention(*(t.float() for t in (q, k, v)), mask if kind == "bool" else mask.float())
+    got = compiled(q, k, v, mask)
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
