@@ -47,6 +47,7 @@ __attribute__((simd("notinbranch"))) float powf(float, float);
 }
 #endif
 #include <cstring>
+#include <type_traits>
 // bfloat16 storage: the top half of a float, rounded to nearest even (NaN stays NaN)
 struct egc_bf16 {
   uint16_t bits;
@@ -62,7 +63,11 @@ template <class T> struct egc_compute { using type = T; };
 template <> struct egc_compute<_Float16> { using type = float; };
 template <> struct egc_compute<egc_bf16> { using type = float; };
 template <class T, class S> static inline typename egc_compute<T>::type egc_cast(S x) {
-  return static_cast<typename egc_compute<T>::type>(static_cast<T>(static_cast<float>(x)));
+  if constexpr (std::is_integral<T>::value) {
+    return static_cast<T>(x);  // integers exactly (a float truncates toward zero, as in torch)
+  } else {
+    return static_cast<typename egc_compute<T>::type>(static_cast<T>(static_cast<float>(x)));
+  }
 }
 static inline float egc_maximum(float a, float b) { return (a != a || a > b) ? a : ((b != b) ? b : std::max(a, b)); }
 """
@@ -99,18 +104,18 @@ _REDUCTIONS = {
 
 
 def _expr(e, types: dict[str, str]) -> str:
-    """`types`: the kernel's parameter -> C type; narrow (fp16/bf16) loads are widened to float."""
+    """`types`: the kernel's parameter -> dtype; narrow (fp16/bf16) loads are widened to float."""
     def load(e) -> str:
         text = f"{e.param}[{render_index(e.index, TARGET)}]"
-        return f"static_cast<float>({text})" if types.get(e.param) in NARROW_CTYPES else text
-    return render_expr(e, TARGET, load)
+        return f"static_cast<float>({text})" if CTYPES.get(types.get(e.param)) in NARROW_CTYPES else text
+    return render_expr(e, TARGET, load, types=types)
 
 
 def render_kernel(k: LoopKernel) -> str:
     params = ", ".join(
         f"{'const ' if p.role == 'in' else ''}{CTYPES[p.dtype]}* __restrict__ {p.name}" for p in k.params)
     parallel = k.outer > 1 and k.outer * k.inner >= PARALLEL_MIN
-    types = {p.name: CTYPES[p.dtype] for p in k.params}
+    types = {p.name: p.dtype for p in k.params}
     lines = [f'extern "C" void {k.name}({params}) {{']
     if parallel:
         lines.append("  #pragma omp parallel for schedule(static)")
@@ -140,7 +145,7 @@ def render_kernel(k: LoopKernel) -> str:
 
 
 def _store(param, index, value, types) -> str:
-    return f"{param}[{render_index(index, TARGET)}] = static_cast<{types[param]}>({_expr(value, types)});"
+    return f"{param}[{render_index(index, TARGET)}] = static_cast<{CTYPES[types[param]]}>({_expr(value, types)});"
 
 
 def render_program(kernels: list[LoopKernel]) -> str:
@@ -152,6 +157,7 @@ TARGET = Target(
     const=lambda v: float_literal(v, "f", "INFINITY", "NAN"),
     pow_special={2.0: "(({0}) * ({0}))", 0.5: "std::sqrt({0})", 1.0: "({0})", 3.0: "(({0}) * ({0}) * ({0}))",
                  -1.0: "(1.0f / ({0}))"},
-    floordiv="/", dtypes=frozenset({"float32", "float16", "bfloat16", "bool", "weak"}), dtype_names=CTYPES,
+    floordiv="/", dtypes=frozenset({"float32", "float16", "bfloat16", "bool", "int64", "int32", "weak"}),
+    dtype_names=CTYPES, int_const=lambda v: f"int64_t({v})",
     render=render_program, load=load,
 )

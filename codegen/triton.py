@@ -27,7 +27,8 @@ from .walker import Target, render_expr, render_index
 PERSISTENT_MAX = 32768  # longest row kept in registers (87-91% of copy bandwidth at 16k on an H200)
 LOOP_BLOCK = 2048
 POINTWISE_BLOCK = 1024  # elements per program of a pointwise kernel
-TL = {"float32": "tl.float32", "float16": "tl.float16", "bfloat16": "tl.bfloat16", "bool": "tl.int1"}
+TL = {"float32": "tl.float32", "float16": "tl.float16", "bfloat16": "tl.bfloat16", "bool": "tl.int1",
+      "int64": "tl.int64", "int32": "tl.int32"}
 
 SCALAR_OPS = {
     "exp": "tl.exp({0})", "log": "tl.log({0})", "tanh": "(2.0 * tl.sigmoid(2.0 * ({0})) - 1.0)",
@@ -37,7 +38,10 @@ SCALAR_OPS = {
     "gelu": "(0.5 * ({0}) * (1.0 + tl.math.erf(({0}) * 0.7071067811865476)))",
     # 0.5 x (1 + tanh(u)) = x sigmoid(2u)
     "gelu_tanh": "(({0}) * tl.sigmoid(1.5957691216057308 * (({0}) + 0.044715 * ({0}) * ({0}) * ({0}))))",
-    "cast": "tl.cast({0}, {dtype}).to(tl.float32)",  # round to the dtype, keep computing in float32 (tl.cast: {0} may be a constant)
+    # round to the dtype, keep computing in float32 (tl.cast: {0} may be a constant); integers reach a
+    # narrow float through float32, as torch converts them (and the interpreter's int -> bf16 is NaN)
+    "cast": "tl.cast(tl.cast({0}, tl.float32), {dtype}).to(tl.float32)",
+    "cast_int": "tl.cast({0}, {dtype})",  # integers stay integers
     "add": "(({0}) + ({1}))", "sub": "(({0}) - ({1}))", "mul": "(({0}) * ({1}))", "div": "(({0}) / ({1}))",
     "maximum": "_egc_maximum({0}, {1})", "pow": "_egc_pow({0}, {1})",
     "pow_scalar_base": "_egc_pow(({0}) + tl.zeros_like({1}), {1})",  # (tl.zeros_like of a float fails on GPU)
@@ -81,7 +85,8 @@ _FIELDS = dict(
     language="generated Triton", ops=SCALAR_OPS, const=_const,
     pow_special={2.0: "(({0}) * ({0}))", 0.5: "tl.sqrt({0})", 1.0: "({0})", 3.0: "(({0}) * ({0}) * ({0}))",
                  -1.0: "(1.0 / ({0}))"},
-    floordiv="//", dtypes=frozenset({"float32", "float16", "bfloat16", "bool", "weak"}), dtype_names=TL,
+    floordiv="//", dtypes=frozenset({"float32", "float16", "bfloat16", "bool", "int64", "int32", "weak"}),
+    dtype_names=TL, int_const=str,
 )
 
 
@@ -118,11 +123,11 @@ class _Kernel:
         names = _variables(e.index)
         mask = {frozenset(): None, frozenset({"o"}): "omask", frozenset({"r"}): "rmask"}.get(frozenset(names), "mask")
         text = f"tl.load({e.param} + ({index})" + (f", mask={mask}, other=0)" if mask else ")")
-        # narrow floats compute in float32; integers (only ever cast) convert through float32, as C++'s egc_cast
-        return f"{text}.to(tl.float32)" if self.types[e.param] in ("float16", "bfloat16", "int64", "int32") else text
+        # narrow floats compute in float32; integers stay integers (computed exactly)
+        return f"{text}.to(tl.float32)" if self.types[e.param] in ("float16", "bfloat16") else text
 
     def expr(self, e) -> str:
-        return render_expr(e, TABLE, self.load)
+        return render_expr(e, TABLE, self.load, types=self.types)
 
     def render(self) -> str:
         k = self.k

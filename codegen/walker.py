@@ -26,6 +26,7 @@ class Target:
     floordiv: str  # index syntax: "/" in C, "//" in Python
     dtypes: frozenset  # dtypes its generated code reads, computes and writes
     dtype_names: dict[str, str] = field(default_factory=dict)  # our dtype -> the language's
+    int_const: Callable[[int], str] = str  # an integer literal (in integer arithmetic and comparisons)
     render: Callable = None  # loop kernels -> the program's source
     # (source, loop kernels) -> ({kernel name: callable over torch tensors, inputs then outputs}, compiled_now)
     load: Callable = None
@@ -51,9 +52,44 @@ def _term(term, target: Target) -> str:
     return f"(({render_index(inner, target)}) {target.floordiv if kind == 'div' else '%'} {c})"
 
 
-def render_expr(expr, target: Target, load: Callable[[Load], str], acc: Callable[[str], str] = str) -> str:
+INTEGERS = frozenset({"int64", "int32"})
+INTEGER_OPS = frozenset({"add", "sub", "mul", "neg", "where", "cast"})  # computed exactly in integers
+COMPARISONS = frozenset({"gt", "ge", "lt", "le", "eq", "ne"})
+
+
+def expr_dtype(e, types: dict[str, str]) -> str:
+    """The dtype a scalar expression computes in: a buffer's, a call's result,
+    int64 for loop indices, float32 for accumulators; "weak" for constants."""
+    if isinstance(e, Load):
+        return types.get(e.param, "float32")
+    if isinstance(e, Const):
+        return "weak"
+    if isinstance(e, Index):
+        return "int64"
+    if isinstance(e, Call):
+        return e.dtype if e.dtype not in ("", "weak") else "float32"
+    return "float32"
+
+
+def integer_context(e: Call, types: dict[str, str]) -> bool:
+    """Whether a call computes on integers: its constants are then integer
+    literals (a float literal would turn int64 arithmetic into float32's)."""
+    if e.op in COMPARISONS:
+        return any(expr_dtype(a, types) in INTEGERS for a in e.args)
+    return e.dtype in INTEGERS
+
+
+def render_expr(expr, target: Target, load: Callable[[Load], str], acc: Callable[[str], str] = str,
+                types: dict[str, str] | None = None) -> str:
     """`load` renders a buffer read (targets differ in masks and casts), `acc`
-    an accumulator's name."""
+    an accumulator's name, `types` the kernel's buffer dtypes."""
+    types = types or {}
+
+    def operand(a, integers: bool) -> str:
+        if integers and isinstance(a, Const) and math.isfinite(a.value) and a.value == int(a.value):
+            return target.int_const(int(a.value))
+        return walk(a)  # a fractional constant beside integers: a comparison in float, as torch promotes
+
     def walk(e) -> str:
         if isinstance(e, Load):
             return load(e)
@@ -70,11 +106,15 @@ def render_expr(expr, target: Target, load: Callable[[Load], str], acc: Callable
         if e.op == "pow" and isinstance(e.args[1], Const) and e.args[1].value in target.pow_special:
             return target.pow_special[e.args[1].value].format(walk(e.args[0]))
         fmt = target.ops.get(e.op)
+        integers = integer_context(e, types)
+        if integers and e.op == "cast":
+            fmt = target.ops.get("cast_int", fmt)
         if e.op == "pow" and isinstance(e.args[0], Const) and not isinstance(e.args[1], Const):
             fmt = target.ops.get("pow_scalar_base", fmt)  # 2.0 ** x: a target may need the base as a block
         if fmt is None:
             raise KeyError(f"no scalar formula for {e.op} in {target.language}")
-        return fmt.format(*(walk(a) for a in e.args), dtype=target.dtype_names.get(e.dtype, e.dtype))
+        args = [operand(a, integers and not (e.op == "where" and i == 0)) for i, a in enumerate(e.args)]
+        return fmt.format(*args, dtype=target.dtype_names.get(e.dtype, e.dtype))
     return walk(expr)
 
 

@@ -38,7 +38,8 @@ class GraphedRunner:
         self._graph = None
         self._static: dict[int, torch.Tensor] = {}
         self._out: dict[int, torch.Tensor] = {}
-        self._bound_ptrs: dict[int, tuple] = {}
+        self._bound_ptrs: list[tuple] = []
+        self._bound_keys: list[int] | None = None
         self.disabled = ""  # why graphs are off for this program (empty while they are on)
 
     @property
@@ -68,9 +69,12 @@ class GraphedRunner:
         self._graph.replay()
         return self._out, True
 
-    def _pointers(self, env) -> dict[int, tuple]:
-        users = set(self._user_ids)
-        return {k: (v.data_ptr(), tuple(v.shape), tuple(v.stride())) for k, v in env.items() if k not in users}
+    def _pointers(self, env) -> list[tuple]:
+        """Where the bound tensors (parameters of an `egc.compile`d module) are now."""
+        if self._bound_keys is None:
+            users = set(self._user_ids)
+            self._bound_keys = [k for k in env if k not in users]
+        return [(env[k].data_ptr(), env[k].shape, env[k].stride()) for k in self._bound_keys]
 
     def _record(self, env) -> bool:
         if self._graph is None and not self._in_place:  # the first recording: who stayed put since the last call

@@ -115,7 +115,7 @@ class Const:
 class Call:
     op: str  # an op-table name (pointwise) or an internal scalar op
     args: tuple
-    dtype: str = ""  # the target dtype of a `cast`
+    dtype: str = ""  # the result's dtype (a `cast`'s target); "" or "weak": float32
 
 
 @dataclass(frozen=True)

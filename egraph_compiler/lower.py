@@ -272,9 +272,9 @@ class _Lowering:
         if n.group != "pointwise":
             raise CodegenError(f"{n.op} cannot be computed inside a generated kernel")
         if n.op == "cast" and n.dtype == "bool":  # nonzero is true, in every target
-            return Call("ne", (self.operand(n.args[0], index), Const(0.0)))
+            return Call("ne", (self.operand(n.args[0], index), Const(0.0)), "bool")
         return Call(n.op, tuple(self.operand(a, _broadcast_index(index, n.shape, a.shape)) for a in n.args),
-                    n.attr("dtype") if n.op == "cast" else "")
+                    n.dtype)
 
     def concat(self, n: Node, index):
         """cat(a, b): a where the position along dim is below a's size, else b.  Each operand is
@@ -289,8 +289,8 @@ class _Lowering:
         first, second = list(index), list(index)
         first[d] = i.mod(na)
         second[d] = (i + Affine.of(nb * -(-na // nb) - na)).mod(nb)  # (i - na) mod nb, offset kept >= 0
-        return Call("where", (Call("lt", (Index(i), Const(float(na)))),
-                              self.operand(a, first), self.operand(b, second)))
+        return Call("where", (Call("lt", (Index(i), Const(float(na))), "bool"),
+                              self.operand(a, first), self.operand(b, second)), n.dtype)
 
     def reduction(self, node: Node, index):
         """The reduction's value at `index` (of its result): an accumulator over
@@ -325,7 +325,7 @@ class _Lowering:
             self._accs[key] = acc
         acc = self._accs[key]
         # a true division, as torch's: `sum * (1/n)` rounds, and a constant row is then not centred exactly
-        return Call("div", (acc, Const(float(count)))) if node.op == "mean" else acc
+        return Call("div", (acc, Const(float(count))), node.dtype) if node.op == "mean" else acc
 
 
 def _variables(index: Affine) -> set:

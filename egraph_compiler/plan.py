@@ -186,21 +186,35 @@ def kernel_body(root: Node) -> tuple[list[Node], list[Node]]:
     return body, inputs
 
 
-CAST_ONLY = frozenset({"int64", "int32"})  # read by generated code only to be cast (position ids -> float)
+INTEGERS = frozenset({"int64", "int32"})
+INTEGER_OPS = frozenset({"add", "sub", "mul", "neg", "where", "cast", "cat"})  # generated exactly in integers
+COMPARISONS = frozenset({"gt", "ge", "lt", "le", "eq", "ne"})
 
 
-def _integers_only_cast(body) -> bool:
-    """Integer buffers that the kernel only views and casts: no integer arithmetic (which
-    generated code, computing in float32, would get wrong past 2**24), and no integer result: a
-    kernel that only copies integers (a view stored as an output) would round them through float32."""
-    if body and body[-1].dtype in CAST_ONLY:
-        return False
+def _integral(value: float) -> bool:
+    return math.isfinite(value) and value == int(value)
+
+
+def _integer_reason(body) -> str:
+    """Why generated code would not compute this kernel's integers exactly ("" when
+    it would): targets compute integer add/sub/mul/neg/where/cast/cat in int64 and
+    compare integers as integers; other integer ops (reductions, maximum, abs, the
+    integer division forms) run through ATen, and no other op reads an integer
+    except through a cast."""
     for n in body:
-        if n.group == "layout":
+        if n.group in ("layout", "source"):
             continue
-        if n.dtype in CAST_ONLY or (n.op != "cast" and any(a.dtype in CAST_ONLY for a in n.args)):
-            return False
-    return True
+        if n.dtype in INTEGERS:
+            if n.op not in INTEGER_OPS:
+                return f"integer {n.op} in generated code"
+            fractional = [a.attr("value") for a in n.args if a.op == "const" and not _integral(a.attr("value"))]
+            if fractional:
+                return f"a fractional constant ({fractional[0]}) in integer {n.op}"
+        elif n.op not in COMPARISONS and n.op != "cast":
+            read = n.args[1:] if n.op == "where" else n.args
+            if any(a.dtype in INTEGERS for a in read):
+                return f"{n.op} of an integer without a cast"
+    return ""
 
 
 def _kind(node: Node, body, inputs, target) -> tuple[str, str]:
@@ -211,11 +225,10 @@ def _kind(node: Node, body, inputs, target) -> tuple[str, str]:
     if node.group == "library":
         return "library", ""
     dtypes = {n.dtype for n in body} | {i.dtype for i in inputs}
-    if dtypes & CAST_ONLY and _integers_only_cast(body):
-        dtypes -= CAST_ONLY
     if not dtypes <= target.dtypes:
         return "aten", f"dtype {', '.join(sorted(dtypes - target.dtypes))} in {target.language}"
-    return "generated", ""
+    reason = _integer_reason(body) if dtypes & INTEGERS else ""
+    return ("aten", reason) if reason else ("generated", "")
 
 
 def _estimate(kernel: Kernel, profile: DeviceProfile) -> None:

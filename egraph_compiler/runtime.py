@@ -42,6 +42,7 @@ class Executable:
         self.wrapper = _straight_line(self, {lk.name: lk for lk in loops}, nodes, release)
         self._run = _exec_wrapper(self.wrapper.source, self.wrapper.names)
         self._scalars: dict[tuple[int, int], torch.Tensor] = {}  # made once: no host copy per call
+        self._specs = None  # per user input: (node, env key, shape, torch dtype, on cuda); made on first call
         self.graphed = None
         if cuda_graphs and target.device == "cuda":
             user = [id(n) for n in self.graph.inputs if n.attr("name") not in self.graph.bound]
@@ -87,16 +88,26 @@ class Executable:
             target.copy_(results[index])
 
     def _bind(self, args) -> dict[int, torch.Tensor]:
-        user = [n for n in self.graph.inputs if n.attr("name") not in self.graph.bound]
-        if len(args) != len(user):
-            raise InputError(f"expected {len(user)} tensor argument(s) "
-                             f"({', '.join(n.attr('name') for n in user)}), got {len(args)}")
+        """The call's tensors by input node. Per call and per input (a model's
+        parameters are inputs under Dynamo), so the common case is a few
+        attribute reads; `_check` says what is wrong otherwise."""
+        if self._specs is None:
+            cuda = self.target.device == "cuda"
+            self._specs = [(n, id(n), n.shape, torch_dtype(n.dtype), cuda) for n in self.graph.inputs
+                           if n.attr("name") not in self.graph.bound]
+            self._bound_specs = [(n, id(n), self.graph.bound[n.attr("name")]) for n in self.graph.inputs
+                                 if n.attr("name") in self.graph.bound]
+        if len(args) != len(self._specs):
+            raise InputError(f"expected {len(self._specs)} tensor argument(s) "
+                             f"({', '.join(n.attr('name') for n, *_ in self._specs)}), got {len(args)}")
         env = {}
-        for node, value in zip(user, args):
-            env[id(node)] = self._check(node, value)
-        for node in self.graph.inputs:
-            if node.attr("name") in self.graph.bound:
-                env[id(node)] = self._check(node, self.graph.bound[node.attr("name")].get())
+        for (node, key, shape, dtype, cuda), value in zip(self._specs, args):
+            if not (isinstance(value, torch.Tensor) and value.dtype == dtype and value.shape == shape
+                    and (value.is_cuda if cuda else value.is_cpu)):
+                value = self._check(node, value)
+            env[key] = value if value.is_contiguous() else value.contiguous()
+        for node, key, bound in self._bound_specs:
+            env[key] = self._check(node, bound.get())
         return env
 
     def _check(self, node: Node, value) -> torch.Tensor:
@@ -110,7 +121,7 @@ class Executable:
         if value.device.type != self.target.device:
             raise InputError(f"argument {name!r} is on {value.device}; target {self.target.name!r} runs on "
                              f"{self.target.device} (compile with inputs on the device it should run on)")
-        return value.detach().contiguous()
+        return value.contiguous()
 
     def _tensor(self, node: Node, env) -> torch.Tensor:
         if id(node) in env:
@@ -145,7 +156,7 @@ class Executable:
         if node.op == "const":
             return value.clone()
         if view_source(node).op == "input" and self.plan.alias_inputs and not copy:
-            return value  # a view of the caller's tensor, as torch returns it
+            return value.detach()  # a view of the caller's tensor, as torch returns it
         if copy or view_source(node).op == "input" or not value.is_contiguous():
             return value.clone(memory_format=torch.contiguous_format)  # never alias the caller's tensors
         return value

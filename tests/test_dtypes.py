@@ -137,7 +137,7 @@ INTEGER_CASTS = {  # integer buffers that a kernel only views and casts (rotary 
 @pytest.mark.parametrize("name", sorted(INTEGER_CASTS))
 def test_integers_only_cast_are_read_by_generated_code(name, target):
     """An integer input that the kernel only views and casts is loaded by generated code
-    (converted through float32, as torch converts); integer arithmetic stays with ATen."""
+    (converted as torch converts)."""
     fn, inputs = INTEGER_CASTS[name]
     inputs = [t if t is not None else torch.rand(8, generator=torch.Generator().manual_seed(0)) for t in inputs]
     compiled = egc.compile(fn, inputs, target=target)
@@ -152,12 +152,37 @@ def test_integers_only_cast_are_read_by_generated_code(name, target):
         torch.testing.assert_close(got, want, atol=0, rtol=0)
 
 
-def test_integer_arithmetic_is_not_generated():
-    def fn(p):
-        return (p * 3 + 1).float()  # (int64 arithmetic: exact in torch, not in float32 past 2**24)
-    p = torch.tensor([2**40 + 1, 7])
+INTEGER_ARITHMETIC = {  # integer arithmetic generated, exact past 2**24 (HF's mask building: diffs, comparisons)
+    "affine": lambda p: p * 3 + 1,
+    "affine_to_float": lambda p: (p * 3 - 1).float(),
+    "mask_building": lambda p: (p - 1 != 1) & (p >= 0),
+    "where_neg": lambda p: torch.where(p > 5, p, -p),
+    "int32": lambda p: p.int() * 2 - 7,
+    "cat": lambda p: torch.cat([p, p * 2], -1),
+    "diff_ne_one": lambda p: (p[..., 1:] - p[..., :-1]) != 1,
+    "fractional_comparison": lambda p: p < 2.5,
+    "bool_to_int": lambda p: (p > 0).long() + p,
+}
+BIG = torch.tensor([[2**40 + 1, -(2**35) - 3, 7, 0], [3, 2**24 + 1, -1, 2**53 + 5]])
+
+
+@pytest.mark.parametrize("target", ["cpu", "triton"])
+@pytest.mark.parametrize("name", sorted(INTEGER_ARITHMETIC))
+def test_integer_arithmetic_is_generated_exactly(name, target):
+    fn = INTEGER_ARITHMETIC[name]
+    compiled = egc.compile(fn, [BIG], target=target)
+    assert {k.kind for k in compiled.plan.kernels} == {"generated"}, compiled.plan.fallbacks
+    got, want = compiled(BIG), fn(BIG)
+    assert got.dtype == want.dtype
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("fn, reason", [(lambda p: p.sum(-1), "integer sum"),
+                                        (lambda p: torch.maximum(p, p.flip(-1)), "integer maximum"),
+                                        (lambda p: torch.abs(p) + 1, "integer abs")])
+def test_integer_ops_outside_exact_codegen_run_through_aten(fn, reason):
     with warnings.catch_warnings():  # warned once per process: an earlier test may have seen it
         warnings.simplefilter("ignore")
-        compiled = egc.compile(fn, [p])
-    assert any("dtype int64" in f for f in compiled.plan.fallbacks), compiled.plan.fallbacks
-    torch.testing.assert_close(compiled(p), fn(p), atol=0, rtol=0)
+        compiled = egc.compile(fn, [BIG])
+    assert any(reason in f for f in compiled.plan.fallbacks), compiled.plan.fallbacks
+    torch.testing.assert_close(compiled(BIG), fn(BIG), atol=0, rtol=0)
