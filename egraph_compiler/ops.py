@@ -241,8 +241,15 @@ def _fused_kernel_mask(mask, keys: int, dtype):
     if mask.shape[-1] != keys or mask.stride(-1) != 1:
         mask = mask.expand(*mask.shape[:-1], keys).contiguous()
     if mask.dtype == torch.bool:
-        mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+        key = (mask.device, dtype)
+        if key not in _MASK_VALUES:  # (made on a first call, never while a CUDA graph records)
+            _MASK_VALUES[key] = (torch.zeros((), dtype=dtype, device=mask.device),
+                                 torch.full((), float("-inf"), dtype=dtype, device=mask.device))
+        mask = torch.where(mask, *_MASK_VALUES[key])  # one kernel
     return mask
+
+
+_MASK_VALUES: dict = {}  # (device, dtype) -> the 0-d tensors 0 and -inf
 
 
 OPS: dict[str, OpDef] = {}

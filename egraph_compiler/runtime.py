@@ -139,6 +139,8 @@ class Executable:
 
     def _run_torch(self, node: Node, env) -> torch.Tensor:
         args = [self._scalar(a, node) if a.op == "const" else self._tensor(a, env) for a in node.args]
+        if node.op == "linear" and node.args[2].op == "const" and node.args[2].attr("value") == 0:
+            args[2] = None  # no bias: a scalar 0 bias would cost the library an extra kernel to broadcast it
         if node.op == "extern":
             return node.attr("target").run(args)
         out = ops.get(node.op).reference(args, node.a)
