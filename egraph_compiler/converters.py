@@ -228,15 +228,20 @@ def _conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
                      {"stride": pair(stride), "padding": pair(padding), "dilation": pair(dilation), "groups": groups})
 
 
-def _fill(value, shape, dtype=None, like=None, **kwargs):
+def _fill(value, shape, dtype=None, like=None, infer=False, **kwargs):
     """A tensor of one value (zeros, ones, full, scalar_tensor, new_zeros...): a constant broadcast
     by an index map, never stored unless it is an output."""
     if set(kwargs) - {"layout", "device", "pin_memory", "memory_format", "requires_grad"} or kwargs.get(
             "requires_grad"):
         return None
-    name = str(dtype).removeprefix("torch.") if dtype is not None else (like.dtype if like else "float32")
-    if name not in ("float32", "float16", "bfloat16", "float64", "bool") or isinstance(value, complex):
-        return None  # integer fills: ATen (generated code computes in floating point)
+    inferred = "float32"
+    if infer:  # torch.full takes its dtype from the value
+        inferred = "bool" if isinstance(value, bool) else "int64" if isinstance(value, int) else "float32"
+    name = str(dtype).removeprefix("torch.") if dtype is not None else (like.dtype if like else inferred)
+    integral = isinstance(value, (bool, int)) or (isinstance(value, float) and value.is_integer())
+    if name not in ("float32", "float16", "bfloat16", "float64", "bool", "int64", "int32") or isinstance(
+            value, complex) or (name in ("int64", "int32") and not (integral and abs(value) <= 2**53)):
+        return None
     scalar = Node.make("cast", (const(value),), {"dtype": name})
     return scalar if not shape else Node.make("expand", (Node.make("reshape", (scalar,), {"shape": (1,) * len(
         shape)}),), {"shape": tuple(int(d) for d in shape)})
@@ -295,7 +300,7 @@ CONVERTERS = {
     aten.slice_backward.default: _slice_backward,
     aten.select_backward.default: lambda g, sizes, dim, i: _slice_backward(
         _unsqueeze(g, dim), sizes, dim, i % sizes[dim], i % sizes[dim] + 1, 1),
-    aten.full.default: lambda size, value, **kw: _fill(value, size, **kw),
+    aten.full.default: lambda size, value, **kw: _fill(value, size, infer=True, **kw),
     aten.zeros.default: lambda size, **kw: _fill(0.0, size, **kw),
     aten.ones.default: lambda size, **kw: _fill(1.0, size, **kw),
     aten.scalar_tensor.default: lambda value, **kw: _fill(value, (), **kw),

@@ -471,8 +471,10 @@ def test_output_that_is_a_view_of_a_value_fused_into_a_library_call():
     lambda x: torch.ops.aten.slice_backward(x, [6, 7, 4], 1, 2, 5, 1),
     lambda x: torch.ops.aten.slice_backward(x[:, :1], [6, 3, 4], 1, -1, 100, 1),
     lambda x: torch.ops.aten.select_backward(x[:, 0], [6, 3, 4], 1, 2) * 2,
+    lambda x: (torch.full((2, 3), 2**40 + 1), torch.zeros(4, dtype=torch.int32) - 7, x.new_ones(3, dtype=torch.long),
+               torch.scalar_tensor(3) * x[0, 0, 0], torch.full((2,), True)),
 ], ids=["var_mean_row", "var_mean_dims", "var_all", "var_biased", "var_keepdim", "fills", "bool_fill",
-        "slice_backward", "slice_backward_clamped", "select_backward"])
+        "slice_backward", "slice_backward_clamped", "select_backward", "integer_fills"])
 def test_ops_that_training_graphs_hold(fn):
     """var_mean (layer_norm's decomposition), constant fills and slice/select backward are
     generated code, not ATen calls; each matches torch exactly in shape and dtype."""
