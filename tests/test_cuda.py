@@ -9,6 +9,7 @@ from hypothesis import given
 import egraph_compiler as egc
 from programs import check, failure_message, programs
 from test_differential import fuzz_settings
+from test_dtypes import BIG, INTEGER_ARITHMETIC
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -149,3 +150,13 @@ def test_sdpa_masks_through_the_fused_kernels(mask_shape, kind):
         want = attention(*(t.float() for t in (q, k, v)), mask if kind == "bool" else mask.float())
     got = compiled(q, k, v, mask)
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("name", sorted(INTEGER_ARITHMETIC))
+def test_integer_arithmetic_is_exact_on_the_gpu(name):
+    fn, p = INTEGER_ARITHMETIC[name], BIG.cuda()
+    compiled = egc.compile(fn, [p])
+    assert {k.kind for k in compiled.plan.kernels} == {"generated"}, compiled.plan.fallbacks
+    got, want = compiled(p), fn(p)
+    assert got.dtype == want.dtype
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
