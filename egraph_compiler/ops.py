@@ -213,7 +213,7 @@ def _sdpa(t, a):
     if not q.is_cuda:
         return call(q, k, v)
     if mask is not None:
-        mask = _fused_kernel_mask(mask, k.shape[-2], q.dtype)
+        mask = fused_kernel_mask(mask, k.shape[-2], q.dtype)
     # torch's fused CUDA kernels refuse misaligned views ("query is not correctly aligned") and some
     # head sizes with a mask ("no kernel found to launch"): the views as they are (q, k and v are
     # usually slices of one projection, which the kernels read in place), then aligned copies, then
@@ -230,7 +230,7 @@ def _sdpa(t, a):
             return call(q, k, v)
 
 
-def _fused_kernel_mask(mask, keys: int, dtype):
+def fused_kernel_mask(mask, keys: int, dtype):
     """A mask torch's fused CUDA attention kernels take (measured on an H200, torch
     2.11): one that broadcasts along the keys (BERT's `q_idx >= 0`, shape
     [1, 1, L, 1]) sends torch to its float32 math kernel, 4-5x slower; a boolean

@@ -40,7 +40,13 @@ class Executable:
         release = release_schedule(plan)
         verify_plan(plan, release)
         self.wrapper = _straight_line(self, {lk.name: lk for lk in loops}, nodes, release)
-        self._run = _exec_wrapper(self.wrapper.source, self.wrapper.names)
+        wrapper = _exec_wrapper(self.wrapper.source, self.wrapper.names)
+        self._memo: dict = {}  # values one run of the wrapper shares between its steps
+
+        def run(env):
+            self._memo = {}
+            return wrapper(env)
+        self._run = run
         self._scalars: dict[tuple[int, int], torch.Tensor] = {}  # made once: no host copy per call
         self._specs = None  # per user input: (node, env key, shape, torch dtype, on cuda); made on first call
         self.graphed = None
@@ -141,6 +147,11 @@ class Executable:
         args = [self._scalar(a, node) if a.op == "const" else self._tensor(a, env) for a in node.args]
         if node.op == "linear" and node.args[2].op == "const" and node.args[2].attr("value") == 0:
             args[2] = None  # no bias: a scalar 0 bias would cost the library an extra kernel to broadcast it
+        if node.op == "sdpa_mask" and self.target.device == "cuda":  # each layer's sdpa reads one mask:
+            key = ("mask", id(node.args[3]), node.args[0].dtype, args[1].shape[-2])  # converted once per run
+            if key not in self._memo:
+                self._memo[key] = ops.fused_kernel_mask(args[3], args[1].shape[-2], args[0].dtype)
+            args[3] = self._memo[key]
         if node.op == "extern":
             return node.attr("target").run(args)
         out = ops.get(node.op).reference(args, node.a)

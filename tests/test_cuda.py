@@ -160,3 +160,21 @@ def test_integer_arithmetic_is_exact_on_the_gpu(name):
     got, want = compiled(p), fn(p)
     assert got.dtype == want.dtype
     torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+def test_one_mask_serves_every_layer():
+    """Layers share one boolean mask: it is made additive once per run (also inside a CUDA graph,
+    whose replays see each call's mask)."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 64, 32, device="cuda") for _ in range(3))
+
+    def two_layers(q, k, v, mask):
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return F.scaled_dot_product_attention(a * 2, k, v, attn_mask=mask)
+    masks = [torch.rand(2, 1, 64, 64, device="cuda") > p for p in (0.2, 0.5, 0.8)]
+    compiled = egc.compile(two_layers, [q, k, v, masks[0]], cuda_graphs=True)
+    for mask in masks * 2:
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+            want = two_layers(q, k, v, mask)
+        torch.testing.assert_close(compiled(q, k, v, mask), want, atol=1e-4, rtol=1e-4)
+    assert compiled.cuda_graph == "recorded"
