@@ -4,7 +4,10 @@ CPU's, calibrated on first use by a short measurement and cached on disk.
 The measurement (well under a second): copy bandwidth (a 64 MB copy), the
 rate of vectorised exp on cache-resident data in the op table's FLOP units
 (what generated loops reach), matmul FLOP rate (what the library reaches),
-and the fixed cost of one kernel call.
+and the fixed cost of one kernel call.  Each is the best of nine runs, and a
+reading whose runs disagree (the median more than 1.5x the best: the machine is
+busy) is refused: the fixed table serves that process, and the next measures
+again, so a calibration taken under load is never cached.
 """
 from __future__ import annotations
 
@@ -18,21 +21,40 @@ from . import ops
 from .cost import PROFILES, DeviceProfile
 from .cache import cache_dir
 
-PROFILE_VERSION = 3
+PROFILE_VERSION = 4
+UNSTABLE = 1.5  # a reading whose median run is this much slower than its best was taken on a busy machine
+_refused = False  # this process found the machine too busy once: the fixed table, no second attempt
 
 
 def _best_seconds(fn, repeat: int = 9) -> float:
-    """The least disturbed of several runs: a busy machine slows runs down, never up."""
+    """The least disturbed of several runs (a busy machine slows runs down, never
+    up); raises _Busy where the runs disagree too much for the best to be trusted."""
     fn()
     times = []
     for _ in range(repeat):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return min(times)
+    times.sort()
+    if times[len(times) // 2] > UNSTABLE * times[0]:
+        raise _Busy
+    return times[0]
+
+
+class _Busy(Exception):
+    pass
 
 
 def measure_cpu() -> DeviceProfile | None:
+    """This CPU's profile, or None when the machine is too busy to measure."""
+    try:
+        measured = _measure_cpu()
+    except _Busy:
+        return None
+    return measured if plausible(measured) else None
+
+
+def _measure_cpu() -> DeviceProfile:
     n = 1 << 24  # 64 MB of float32
     src, dst = torch.ones(n), torch.empty(n)
     bandwidth = 2 * 4 * n / _best_seconds(lambda: dst.copy_(src))
@@ -46,8 +68,7 @@ def measure_cpu() -> DeviceProfile | None:
     library = 2 * 512 ** 3 / _best_seconds(lambda: torch.mm(a, b))
     one = torch.ones(1)
     launch = _best_seconds(lambda: [torch.add(one, one) for _ in range(100)]) / 100
-    measured = DeviceProfile("cpu", bandwidth, flops, library, launch)
-    return measured if plausible(measured) else None
+    return DeviceProfile("cpu", bandwidth, flops, library, launch)
 
 
 def plausible(profile: DeviceProfile) -> bool:
@@ -67,9 +88,11 @@ def cpu_profile() -> DeviceProfile:
         cached = json.loads(path.read_text())
     except (OSError, ValueError):
         cached = {}
+    global _refused
     if key not in cached:
-        measured = measure_cpu()
-        if measured is None:  # too busy to measure now: the fixed table, not cached
+        measured = None if _refused else measure_cpu()
+        if measured is None:  # too busy to measure now: the fixed table, not cached (measured again next process)
+            _refused = True
             return PROFILES["cpu"]
         cached[key] = measured.__dict__
         tmp = path.with_suffix(f".{os.getpid()}.tmp")

@@ -7,6 +7,8 @@ torch on views of the same buffers.  Buffers live on the target's device.
 """
 from __future__ import annotations
 
+import statistics
+import time
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -60,6 +62,31 @@ class Executable:
         results = tuple(self._result(o, env, copy=owned) for o in self.graph.outputs)
         self._write_back(args, results)
         return self._structure(results[:self.graph.user_outputs])
+
+    @torch.no_grad()
+    def kernel_times(self, *args, reps: int = 5) -> dict[str, float]:
+        """Median seconds of each wrapper step (a kernel's name; a horizontal group
+        under its first kernel's) over `reps` runs, the device synchronised around
+        each: what `benchmarks/cost_fidelity.py` sets beside the plan's estimates."""
+        times: dict[str, list[float]] = {}
+        sync = torch.cuda.synchronize if self.target.device == "cuda" else (lambda: None)
+
+        def timed(step, fn):
+            def run(*a):
+                sync()
+                start = time.perf_counter()
+                out = fn(*a)
+                sync()
+                times.setdefault(step, []).append(time.perf_counter() - start)
+                return out
+            return run
+        names = {n: timed(n[1:], f) if n.startswith("_") and not n.startswith("_empty_") else f
+                 for n, f in self.wrapper.names.items()}
+        run = _exec_wrapper(self.wrapper.source, names)
+        for _ in range(reps + 1):  # the first run warms caches and is dropped
+            self._memo = {}
+            run(self._bind(args))
+        return {step: statistics.median(t[1:]) for step, t in times.items()}
 
     def torch_step(self, kernel, contiguous: bool = True):
         """A library call or ATen fallback as a function of the kernel's inputs.
