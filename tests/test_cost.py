@@ -1,0 +1,40 @@
+"""The cost model's measurements: per-kernel times, the fidelity statistics, and
+calibration that refuses readings taken on a busy machine."""
+import time
+
+import pytest
+import torch
+
+import egraph_compiler as egc
+from benchmarks.cost_fidelity import fidelity
+from egraph_compiler import calibrate
+
+
+def test_kernel_times_cover_every_step_of_the_plan():
+    def fn(x, w):
+        return torch.relu(x @ w).softmax(-1) * 2
+    args = [torch.randn(64, 32), torch.randn(32, 48)]
+    compiled = egc.compile(fn, args)
+    times = compiled._executable.kernel_times(*args, reps=3)
+    steps = {k.loop_nest or k.name for k in compiled.plan.kernels}
+    assert set(times) == steps and all(t > 0 for t in times.values())
+    torch.testing.assert_close(compiled(*args), fn(*args))  # timing left the program as it was
+
+
+def test_fidelity_statistics():
+    rows = [{"estimated_us": e, "measured_us": m} for e, m in [(1, 2), (2, 4), (3, 6), (10, 20)]]
+    summary = fidelity(rows)
+    assert summary["spearman"] == pytest.approx(1.0) and summary["median_abs_log_error"] == pytest.approx(1.0)
+    reversed_rows = [{"estimated_us": e, "measured_us": m} for e, m in [(1, 4), (2, 3), (3, 2), (4, 1)]]
+    assert fidelity(reversed_rows)["spearman"] == pytest.approx(-1.0)
+
+
+def test_calibration_refuses_a_busy_machines_reading(monkeypatch):
+    calls = iter(range(100))
+
+    def disturbed():  # three quick runs, then a machine that got busy
+        time.sleep(0.001 if next(calls) < 4 else 0.01)
+    with pytest.raises(calibrate._Busy):
+        calibrate._best_seconds(disturbed)
+    monkeypatch.setattr(calibrate, "_measure_cpu", lambda: (_ for _ in ()).throw(calibrate._Busy()))
+    assert calibrate.measure_cpu() is None
