@@ -1,11 +1,12 @@
 """The cost model: one small pure function plus device profiles.
 
-Contract: `kernel_cost(flops, bytes_moved, profile, library)` is the roofline
-time in seconds, max(FLOPs / peak, bytes / bandwidth) + launch overhead, with
-library calls (matmul, sdpa) at an efficiency factor of the peak.  `op_cost`
-charges one op that runs as its own kernel (inputs read, output written);
-views (layout ops) cost nothing but a tiny tie-breaker, so that extraction
-prefers fewer of them.
+Every cost formula lives here, used by greedy and ILP extraction and by the
+plan's estimates: `kernel_cost` is a kernel's roofline time in seconds,
+max(FLOPs / peak, bytes / bandwidth) + launch overhead, with library calls
+(matmul, sdpa) at the library's rate; `inlined_cost` is what an op computed
+inside its consumer's kernel adds; `additive_kernel_cost` is kernel_cost's
+linear upper bound, for the ILP.  Views (layout ops) cost nothing but a tiny
+tie-breaker (VIEW_COST), so that extraction prefers fewer of them.
 """
 from __future__ import annotations
 
@@ -40,8 +41,23 @@ def itemsize(dtype: str) -> int:
 
 
 def kernel_cost(flops: float, bytes_moved: float, profile: DeviceProfile, library: bool = False) -> float:
+    """A kernel's time: the roofline (compute and memory overlap) plus its launch."""
     peak = profile.library_flops if library else profile.flops
     return max(flops / peak, bytes_moved / profile.bandwidth) + profile.launch
+
+
+def inlined_cost(flops: float, loads: float, profile: DeviceProfile) -> float:
+    """What computing an op inside its consumer's kernel adds: its arithmetic and
+    its loads, summed (extraction adds these up along a fused body)."""
+    return flops / profile.flops + loads / profile.bandwidth
+
+
+def additive_kernel_cost(flops: float, loads: float, store: float, profile: DeviceProfile,
+                         library: bool = False) -> float:
+    """`kernel_cost` with compute and memory summed instead of overlapped: the
+    linear form the ILP can minimise (an upper bound of kernel_cost)."""
+    peak = profile.library_flops if library else profile.flops
+    return flops / peak + (loads + store) / profile.bandwidth + profile.launch
 
 
 def op_flops(op: str, out_shape, in_shapes) -> float:
@@ -57,14 +73,3 @@ def op_flops(op: str, out_shape, in_shapes) -> float:
     if opdef.group == "reduction":
         return opdef.flops * math.prod(in_shapes[0])
     return opdef.flops * math.prod(out_shape)
-
-
-def op_cost(op: str, out_shape, out_dtype: str, in_shapes, in_dtypes, profile: DeviceProfile) -> float:
-    group = ops.group_of(op)
-    if group == "source":
-        return 0.0
-    if group == "layout":
-        return VIEW_COST
-    moved = math.prod(out_shape) * itemsize(out_dtype)
-    moved += sum(math.prod(s) * itemsize(d) for s, d in zip(in_shapes, in_dtypes))
-    return kernel_cost(op_flops(op, out_shape, in_shapes), moved, profile, library=group == "library")

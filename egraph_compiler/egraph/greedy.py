@@ -22,7 +22,7 @@ import sys
 from dataclasses import dataclass, field, replace
 
 from .. import ops
-from ..cost import VIEW_COST, DeviceProfile, itemsize, kernel_cost, op_flops
+from ..cost import VIEW_COST, DeviceProfile, inlined_cost, itemsize, kernel_cost, op_flops
 from ..errors import CodegenError, UnsoundRuleError
 from ..graph import WEAK, Graph, Node
 from .extract import EClassGraph, ENode
@@ -101,7 +101,7 @@ class KernelExtractor:
             return False
         if en.op == "input":
             loads = self.bytes(class_id)
-        total = sum(needed.values()) + flops / self.profile.flops + loads / self.profile.bandwidth
+        total = sum(needed.values()) + inlined_cost(flops, loads, self.profile)
         old = self.inl.get(class_id)
         if old is not None and total >= old.total - 1e-15:
             return False

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import highspy
 
 from .. import ops
-from ..cost import VIEW_COST, DeviceProfile, op_flops
+from ..cost import VIEW_COST, DeviceProfile, additive_kernel_cost, inlined_cost, op_flops
 from .extract import EClassGraph, ENode
 from .greedy import INLINE_GROUPS, KernelExtractor, Option
 
@@ -59,10 +59,9 @@ def node_cost(ex: KernelExtractor, class_id: str, en: ENode, use: str) -> float 
         return 0.0
     if use == MAT and group == "layout" and not inline_children:
         return VIEW_COST
-    cost = flops / (profile.library_flops if group == "library" else profile.flops) + loads / profile.bandwidth
     if use == MAT:
-        cost += profile.launch + ex.bytes(class_id) / profile.bandwidth
-    return cost
+        return additive_kernel_cost(flops, loads, ex.bytes(class_id), profile, library=group == "library")
+    return inlined_cost(flops, loads, profile)
 
 
 def solve(eg: EClassGraph, profile: DeviceProfile, time_limit: float = 5.0) -> IlpResult:
