@@ -80,25 +80,57 @@ def plausible(profile: DeviceProfile) -> bool:
     return all(0.1 <= r <= 100 for r in ratios)
 
 
+def _key() -> str:
+    return f"cpu-v{PROFILE_VERSION}-{os.cpu_count()}-{torch.get_num_threads()}-{torch.__version__}"
+
+
+def _cached() -> dict:
+    try:
+        return json.loads((cache_dir() / "profiles.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _store(cached: dict) -> None:
+    path = cache_dir() / "profiles.json"
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(cached, indent=1))
+    os.replace(tmp, path)
+
+
+def cached_cpu_profile() -> DeviceProfile | None:
+    """This machine's calibrated profile (machine, thread count, torch version), if measured."""
+    entry = _cached().get(_key())
+    return DeviceProfile(**entry) if entry else None
+
+
+def calibrate_cpu() -> DeviceProfile | None:
+    """Measure now and cache it (replacing an earlier calibration); None, and
+    nothing cached, when the machine is too busy to measure."""
+    measured = measure_cpu()
+    if measured is not None:
+        _store(_cached() | {_key(): measured.__dict__})
+    return measured
+
+
+def reset() -> int:
+    """Forget every cached calibration; how many there were."""
+    cached = _cached()
+    if cached:
+        _store({})
+    return len(cached)
+
+
 def cpu_profile() -> DeviceProfile:
     """This machine's profile, measured once and cached by machine and torch version."""
-    key = f"cpu-v{PROFILE_VERSION}-{os.cpu_count()}-{torch.get_num_threads()}-{torch.__version__}"
-    path = cache_dir() / "profiles.json"
-    try:
-        cached = json.loads(path.read_text())
-    except (OSError, ValueError):
-        cached = {}
     global _refused
-    if key not in cached:
-        measured = None if _refused else measure_cpu()
-        if measured is None:  # too busy to measure now: the fixed table, not cached (measured again next process)
+    profile = cached_cpu_profile()
+    if profile is None:
+        profile = None if _refused else calibrate_cpu()
+        if profile is None:  # too busy to measure now: the fixed table, not cached (measured again next process)
             _refused = True
             return PROFILES["cpu"]
-        cached[key] = measured.__dict__
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(cached, indent=1))
-        os.replace(tmp, path)
-    return DeviceProfile(**cached[key])
+    return profile
 
 
 def profile_for(name: str) -> DeviceProfile:

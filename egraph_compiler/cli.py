@@ -23,6 +23,8 @@ from .errors import EgraphCompilerError
 app = typer.Typer(help="egraph-compiler: a rule-driven optimising compiler for PyTorch.", no_args_is_help=True)
 rules_app = typer.Typer(help="Check, list and verify rules.", no_args_is_help=True)
 app.add_typer(rules_app, name="rules")
+profile_app = typer.Typer(help="Show, calibrate or reset the cost model's device profiles.", no_args_is_help=True)
+app.add_typer(profile_app, name="profile")
 
 LEVELS = ("aten", "graph", "egraph", "plan", "loops", "source", "wrapper", "all")
 SIZES = ("test", "cpu", "gpu")
@@ -192,3 +194,43 @@ def rules_verify(paths: list[Path] = PATHS,
     typer.echo(summary + (f", {skipped} fuse statement(s) skipped" if skipped else ""))
     if failed:
         raise typer.Exit(1)
+
+
+def _profile_line(name: str, p) -> str:
+    return (f"{name}: bandwidth {p.bandwidth / 1e9:.1f} GB/s, generated code {p.flops / 1e9:.1f} GFLOP/s, "
+            f"library {p.library_flops / 1e9:.1f} GFLOP/s, launch {p.launch * 1e6:.2f} us")
+
+
+@profile_app.command("show")
+@reports_errors
+def profile_show():
+    """The profiles extraction can use; `cpu` is this machine's calibration."""
+    from . import calibrate
+    from .cost import PROFILES
+    mine = calibrate.cached_cpu_profile()
+    typer.echo(_profile_line("cpu", mine) if mine else "cpu: not calibrated yet (measured on first use)")
+    typer.echo(_profile_line("cpu-default", PROFILES["cpu"]))
+    for name, p in PROFILES.items():
+        if name != "cpu":
+            typer.echo(_profile_line(name, p))
+
+
+@profile_app.command("calibrate")
+@reports_errors
+def profile_calibrate():
+    """Measure this machine now (refused while it is busy) and cache the result."""
+    from . import calibrate
+    measured = calibrate.calibrate_cpu()
+    if measured is None:
+        typer.echo("error: the machine is too busy to measure (runs disagree by more than "
+                   f"{calibrate.UNSTABLE}x); nothing cached, try again when it is quiet", err=True)
+        raise typer.Exit(1)
+    typer.echo(_profile_line("cpu", measured))
+
+
+@profile_app.command("reset")
+@reports_errors
+def profile_reset():
+    """Forget this machine's cached calibrations (the next compile measures again)."""
+    from . import calibrate
+    typer.echo(f"removed {calibrate.reset()} cached profile(s)")

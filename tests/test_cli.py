@@ -110,3 +110,25 @@ def test_debug_keeps_the_cause_of_a_failed_import(tmp_path):
     path.write_text("raise KeyError('k')\n")
     result = runner.invoke(app, ["--debug", "explain", str(path)])
     assert isinstance(result.exception, InputFailure) and isinstance(result.exception.__cause__, KeyError)
+
+
+def test_profile_show_calibrate_reset(monkeypatch):
+    from egraph_compiler import calibrate
+    from egraph_compiler.cost import DeviceProfile
+    measured = DeviceProfile("cpu", 25e9, 30e9, 200e9, 2e-6)
+    monkeypatch.setattr(calibrate, "measure_cpu", lambda: measured)
+    assert runner.invoke(app, ["profile", "reset"]).exit_code == 0
+    shown = runner.invoke(app, ["profile", "show"])
+    assert shown.exit_code == 0 and "cpu: not calibrated yet" in shown.stdout and "h200: bandwidth 4200.0" in shown.stdout
+    done = runner.invoke(app, ["profile", "calibrate"])
+    assert done.exit_code == 0 and "cpu: bandwidth 25.0 GB/s" in done.stdout
+    assert calibrate.cached_cpu_profile() == measured
+    assert "cpu: bandwidth 25.0 GB/s" in runner.invoke(app, ["profile", "show"]).stdout
+    assert runner.invoke(app, ["profile", "reset"]).stdout.strip() == "removed 1 cached profile(s)"
+    assert calibrate.cached_cpu_profile() is None
+
+
+def test_profile_calibrate_on_a_busy_machine(monkeypatch):
+    from egraph_compiler import calibrate
+    monkeypatch.setattr(calibrate, "measure_cpu", lambda: None)
+    fails(["profile", "calibrate"], 1, "too busy to measure")
