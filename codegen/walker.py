@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from egraph_compiler.loopir import Acc, Affine, Call, Const, Index, Load
+from egraph_compiler.ops import COMPARISONS, INTEGERS
 
 
 @dataclass(frozen=True)
@@ -52,11 +53,6 @@ def _term(term, target: Target) -> str:
     return f"(({render_index(inner, target)}) {target.floordiv if kind == 'div' else '%'} {c})"
 
 
-INTEGERS = frozenset({"int64", "int32"})
-INTEGER_OPS = frozenset({"add", "sub", "mul", "neg", "where", "cast"})  # computed exactly in integers
-COMPARISONS = frozenset({"gt", "ge", "lt", "le", "eq", "ne"})
-
-
 def expr_dtype(e, types: dict[str, str]) -> str:
     """The dtype a scalar expression computes in: a buffer's, a call's result,
     int64 for loop indices, float32 for accumulators; "weak" for constants."""
@@ -86,7 +82,8 @@ def render_expr(expr, target: Target, load: Callable[[Load], str], acc: Callable
     types = types or {}
 
     def operand(a, integers: bool) -> str:
-        if integers and isinstance(a, Const) and math.isfinite(a.value) and a.value == int(a.value):
+        if integers and isinstance(a, Const) and math.isfinite(a.value) and a.value == int(a.value) and abs(
+                a.value) < 2**62:
             return target.int_const(int(a.value))
         return walk(a)  # a fractional constant beside integers: a comparison in float, as torch promotes
 

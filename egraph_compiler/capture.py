@@ -181,9 +181,6 @@ def _convert(fx_node, env, where) -> object:
     return result
 
 
-COMPARISONS = {"gt", "ge", "lt", "le", "eq", "ne"}
-
-
 def _as_torch_types(node: Node, val) -> Node | None:
     """The converted node with torch's result dtype and shape, or None (run it
     through ATen) where the op table's rules cannot give them.  Arithmetic
@@ -193,7 +190,7 @@ def _as_torch_types(node: Node, val) -> Node | None:
     if not isinstance(val, torch.Tensor):
         return node
     want = str(val.dtype).removeprefix("torch.")
-    if node.group == "pointwise" and node.op not in COMPARISONS and node.op != "cast":
+    if node.group == "pointwise" and node.op not in ops.COMPARISONS and node.op != "cast":
         values = range(1, 3) if node.op == "where" else range(len(node.args))
         args = tuple(Node.make("cast", (a,), {"dtype": want}) if k in values and a.dtype not in (want, WEAK) else a
                      for k, a in enumerate(node.args))

@@ -18,6 +18,8 @@ aten = torch.ops.aten
 
 
 def _t(x):
+    if isinstance(x, int) and not isinstance(x, bool) and int(float(x)) != x:
+        raise ValueError(f"integer scalar {x} is not exact as a float64 constant")  # the op runs through ATen
     return x if isinstance(x, Node) else const(x)
 
 
@@ -39,11 +41,19 @@ def _reduce(op):
 
 def _binary(op):
     def convert(a, b, alpha=1):
+        if op in ops.COMPARISONS:  # an integer tensor against a Python float: torch compares in float32
+            a, b = (_float_if_int(x, y) for x, y in ((a, b), (b, a)))
         b = _t(b)
         if alpha != 1:
             b = Node.make("mul", (b, const(alpha)))
         return Node.make(op, (_t(a), b))
     return convert
+
+
+def _float_if_int(x, other):
+    if isinstance(x, Node) and x.dtype in ops.INTEGERS and isinstance(other, float):
+        return Node.make("cast", (x,), {"dtype": "float32"})
+    return x
 
 
 def _unary(op):

@@ -252,6 +252,9 @@ def fused_kernel_mask(mask, keys: int, dtype):
 _MASK_VALUES: dict = {}  # (device, dtype) -> the 0-d tensors 0 and -inf
 
 
+COMPARISONS = frozenset({"gt", "ge", "lt", "le", "eq", "ne"})  # pointwise ops with a bool result
+INTEGERS = frozenset({"int64", "int32"})
+
 OPS: dict[str, OpDef] = {}
 
 

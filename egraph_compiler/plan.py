@@ -186,13 +186,13 @@ def kernel_body(root: Node) -> tuple[list[Node], list[Node]]:
     return body, inputs
 
 
-INTEGERS = frozenset({"int64", "int32"})
 INTEGER_OPS = frozenset({"add", "sub", "mul", "neg", "where", "cast", "cat"})  # generated exactly in integers
-COMPARISONS = frozenset({"gt", "ge", "lt", "le", "eq", "ne"})
 
 
 def _integral(value: float) -> bool:
-    return math.isfinite(value) and value == int(value)
+    """An integer that the e-graph's float64 constants hold exactly (a folded product
+    past 2**53 may not be the integer torch computes)."""
+    return math.isfinite(value) and value == int(value) and abs(value) <= 2**53
 
 
 def _integer_reason(body) -> str:
@@ -204,15 +204,15 @@ def _integer_reason(body) -> str:
     for n in body:
         if n.group in ("layout", "source"):
             continue
-        if n.dtype in INTEGERS:
+        if n.dtype in ops.INTEGERS:
             if n.op not in INTEGER_OPS:
                 return f"integer {n.op} in generated code"
             fractional = [a.attr("value") for a in n.args if a.op == "const" and not _integral(a.attr("value"))]
             if fractional:
-                return f"a fractional constant ({fractional[0]}) in integer {n.op}"
-        elif n.op not in COMPARISONS and n.op != "cast":
+                return f"a constant ({fractional[0]}) not exactly an integer in integer {n.op}"
+        elif n.op not in ops.COMPARISONS and n.op != "cast":
             read = n.args[1:] if n.op == "where" else n.args
-            if any(a.dtype in INTEGERS for a in read):
+            if any(a.dtype in ops.INTEGERS for a in read):
                 return f"{n.op} of an integer without a cast"
     return ""
 
@@ -227,7 +227,7 @@ def _kind(node: Node, body, inputs, target) -> tuple[str, str]:
     dtypes = {n.dtype for n in body} | {i.dtype for i in inputs}
     if not dtypes <= target.dtypes:
         return "aten", f"dtype {', '.join(sorted(dtypes - target.dtypes))} in {target.language}"
-    reason = _integer_reason(body) if dtypes & INTEGERS else ""
+    reason = _integer_reason(body) if dtypes & ops.INTEGERS else ""
     return ("aten", reason) if reason else ("generated", "")
 
 
