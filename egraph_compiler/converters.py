@@ -41,7 +41,7 @@ def _reduce(op):
 
 def _binary(op):
     def convert(a, b, alpha=1):
-        if op in ops.COMPARISONS:  # an integer tensor against a Python float: torch compares in float32
+        if op in ops.COMPARISONS:  # an integer tensor against a float: compared in the float's dtype
             a, b = (_float_if_int(x, y) for x, y in ((a, b), (b, a)))
         b = _t(b)
         if alpha != 1:
@@ -51,8 +51,14 @@ def _binary(op):
 
 
 def _float_if_int(x, other):
-    if isinstance(x, Node) and x.dtype in ops.INTEGERS and isinstance(other, float):
+    """An integer tensor compared with a float is compared in the float's dtype, as torch
+    promotes: float32 for a Python float, the tensor's dtype for a float tensor."""
+    if not (isinstance(x, Node) and x.dtype in ops.INTEGERS):
+        return x
+    if isinstance(other, float):
         return Node.make("cast", (x,), {"dtype": "float32"})
+    if isinstance(other, Node) and other.dtype in ("float16", "bfloat16", "float32", "float64"):
+        return Node.make("cast", (x,), {"dtype": other.dtype})
     return x
 
 
