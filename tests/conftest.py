@@ -2,6 +2,11 @@ import os
 
 import pytest
 
+
+def pytest_addoption(parser):
+    parser.addoption("--update-golden", action="store_true",
+                     help="rewrite tests/golden/ from the current output (review the diff)")
+
 # target="triton" runs on CPU tensors in Triton's interpreter, which reads this when
 # triton is first imported (a machine with a GPU runs the kernels on it instead)
 if not os.path.exists("/dev/nvidia0"):
