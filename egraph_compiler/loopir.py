@@ -32,7 +32,18 @@ class Affine:
         merged: dict = {}
         for term, coeff in self.terms + other.terms:
             merged[term] = merged.get(term, 0) + coeff
-        return Affine(tuple((t, c) for t, c in merged.items() if c), self.const + other.const)
+        return Affine(tuple((t, c) for t, c in merged.items() if c), self.const + other.const)._recombined()
+
+    def _recombined(self) -> "Affine":
+        """a*(x % n) + a*n*(x // n) = a*x (indices are never negative): a reshape
+        that splits a dim and a later one that merges it back cost no division."""
+        coeffs = dict(self.terms)
+        for term, a in self.terms:
+            if term[0] == "mod" and coeffs.get(("div", term[1], term[2])) == a * term[2]:
+                pair = (term, ("div", term[1], term[2]))
+                rest = Affine(tuple((t, c) for t, c in self.terms if t not in pair), self.const)
+                return rest + term[1].scale(a)
+        return self
 
     def scale(self, k: int) -> "Affine":
         if k == 0:
