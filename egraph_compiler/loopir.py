@@ -11,6 +11,7 @@ variables' ranges so that plain strided access renders as plain arithmetic.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -66,7 +67,22 @@ class Affine:
             return exact + Affine.of(whole + rest.const // c)
         if rest.upper() <= c:
             return exact + Affine.of(whole)
+        split = rest._split(c)
+        if split is not None:  # (d*big + small) // c = big // (c/d) with 0 <= small < d
+            d, big, _ = split
+            return exact + Affine.of(whole) + big.floordiv(c // d)
         return exact + Affine.of(whole) + Affine(((("div", rest, c), 1),))
+
+    def _split(self, c: int):
+        """(d, big, small) with self = d*big + small, d a divisor of c above 1 and
+        0 <= small < d, the largest such d; None when there is none.  Needed since
+        a*(x % n) + a*n*(x // n) recombines to a*x: (6*o + r) // 18 is o // 3 for r < 6."""
+        for d in sorted({math.gcd(k, c) for _, k in self.terms} - {1, c}, reverse=True):
+            big = Affine(tuple((t, k // d) for t, k in self.terms if k % d == 0), 0)
+            small = Affine(tuple((t, k) for t, k in self.terms if k % d), self.const)
+            if big.terms and small.const >= 0 and small.upper() <= d:
+                return d, big, small
+        return None
 
     def mod(self, c: int) -> "Affine":
         if c == 1:
@@ -74,6 +90,10 @@ class Affine:
         reduced = Affine(tuple((t, k) for t, k in self.terms if k % c), self.const % c)
         if reduced.upper() <= c:
             return reduced
+        split = reduced._split(c)
+        if split is not None:  # (d*big + small) % c = d*(big % (c/d)) + small
+            d, big, small = split
+            return big.mod(c // d).scale(d) + small
         return Affine(((("mod", reduced, c), 1),))
 
     def __str__(self) -> str:
