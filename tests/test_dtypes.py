@@ -163,7 +163,7 @@ INTEGER_ARITHMETIC = {  # integer arithmetic generated, exact past 2**24 (HF's m
     "fractional_comparison": lambda p: p < 2.5,
     "float_scalar_equality": lambda p: p == 16777216.0,  # torch compares in float32: 2**24 + 1 is equal
     "half_tensor_comparison": lambda p: torch.where((p < 4096) & (p > -4096), p + 2048, 0) >= torch.full(
-        (4,), 2052.0, dtype=torch.float16),  # in float16, as torch promotes: 3 + 2048 rounds up to 2052
+        (4,), 2052.0, dtype=torch.float16, device=p.device),  # in float16, as torch promotes: 3 + 2048 -> 2052
     "int_scalar_equality": lambda p: (p == 16777217) | (p != 2**53 - 1),  # in int64: exact
     "bool_to_int": lambda p: (p > 0).long() + p,
 }
