@@ -93,20 +93,24 @@ def _read(path: Path) -> str:
 
 
 def load_program(target: str, size: str):
-    """A workload name, or PATH.py exposing `program` and `example_inputs()`."""
+    """A workload name, or PATH.py[:FUNCTION]: the file's `program` (or FUNCTION)
+    with inputs from its `example_inputs()` (or `FUNCTION_example_inputs()`)."""
     if size not in SIZES:
         raise UsageError(f"unknown size {size!r}; one of {', '.join(SIZES)}")
     if target in workloads.NAMES:
         return workloads.make(target, size)
-    path = Path(target)
+    file, _, name = target.partition(".py:")
+    path = Path(file + ".py" if name else target)
     if not path.is_file():
-        raise UsageError(f"{target}: neither a workload ({', '.join(workloads.NAMES)}) nor a file")
+        raise UsageError(f"{path}: neither a workload ({', '.join(workloads.NAMES)}) nor a file")
     module = _guarded(path, "importing it", lambda: _import(path))
-    missing = [name for name in ("program", "example_inputs") if not hasattr(module, name)]
+    program_name = name or "program"
+    factory = f"{name}_example_inputs" if name and hasattr(module, f"{name}_example_inputs") else "example_inputs"
+    missing = [n for n in (program_name, factory) if not hasattr(module, n)]
     if missing:
-        raise InputFailure(f"{path}: defines no {' and no '.join(missing)} "
-                           "(a program file exposes `program` and `example_inputs()`)")
-    return module.program, _guarded(path, "example_inputs()", module.example_inputs)
+        raise InputFailure(f"{path}: defines no {' and no '.join(missing)} (a program file exposes `program` and "
+                           "`example_inputs()`, or FUNCTION and `FUNCTION_example_inputs()` for PATH.py:FUNCTION)")
+    return getattr(module, program_name), _guarded(path, f"{factory}()", getattr(module, factory))
 
 
 def _import(path: Path):
@@ -135,8 +139,11 @@ def _guarded(path: Path, what: str, action):
 
 @app.command()
 @reports_errors
-def explain(target: str = typer.Argument(..., help="workload name or PATH.py with program/example_inputs()"),
+def explain(target: str = typer.Argument(..., help="workload name, PATH.py (program, example_inputs()) or "
+                                                   "PATH.py:FUNCTION"),
             size: str = typer.Option("test", help="workload size: test, cpu or gpu"),
+            compile_for: str = typer.Option(None, "--target", help="cpu (C++), triton or cuda (default: the "
+                                                                   "inputs' device)"),
             unsafe: bool = typer.Option(False, help="enable unsafe rules"),
             level: str = typer.Option("all", help="one of aten, graph, egraph, plan, loops, source, wrapper, all"),
             dot: Path = typer.Option(None, help="also write the saturated e-graph here (Graphviz DOT)")):
@@ -145,7 +152,9 @@ def explain(target: str = typer.Argument(..., help="workload name or PATH.py wit
     if level not in LEVELS:
         raise UsageError(f"unknown level {level!r}; one of {', '.join(LEVELS)}")
     fn, inputs = load_program(target, size)
-    levels = explain_program(fn, inputs, unsafe=unsafe, dot=dot is not None)
+    if compile_for not in (None, "cpu", "triton", "cuda"):
+        raise UsageError(f"unknown target {compile_for!r}; one of cpu, triton, cuda")
+    levels = explain_program(fn, inputs, unsafe=unsafe, dot=dot is not None, target=compile_for)
     if dot is not None:
         try:
             dot.write_text(levels.dot)

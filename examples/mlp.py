@@ -3,6 +3,10 @@
 Run: python examples/mlp.py
 It compiles the module, prints the chosen plan, and checks the compiled result
 against eager PyTorch (exiting non-zero on a mismatch).
+
+See every IR level (or one, with --level plan|loops|source|...):
+    egc explain examples/mlp.py
+    egc explain examples/mlp.py --target triton --level source
 """
 import sys
 

@@ -1,6 +1,8 @@
 """`egc`: a user's mistake is one `error:` line (or a rule's caret block) on
 stderr and exit code 2 (bad command line) or 1 (bad file), never a traceback;
 `--debug` lets the exception through."""
+from pathlib import Path
+
 import pytest
 from typer.testing import CliRunner
 
@@ -132,3 +134,32 @@ def test_profile_calibrate_on_a_busy_machine(monkeypatch):
     from egraph_compiler import calibrate
     monkeypatch.setattr(calibrate, "measure_cpu", lambda: None)
     fails(["profile", "calibrate"], 1, "too busy to measure")
+
+
+EXAMPLES = Path(__file__).parent.parent / "examples"
+
+
+@pytest.mark.parametrize("example", sorted(EXAMPLES.glob("*.py")), ids=lambda p: p.name)
+def test_every_examples_explain_lines_work(example, monkeypatch):
+    """Each example's docstring shows `egc explain` lines; each runs and exits 0."""
+    import ast
+    monkeypatch.chdir(EXAMPLES.parent)
+    lines = [ln.split("egc ", 1)[1].split() for ln in ast.get_docstring(ast.parse(example.read_text())).splitlines()
+             if ln.strip().startswith("egc explain")]
+    assert lines, f"{example.name}'s docstring has no `egc explain` line"
+    for args in lines:
+        result = runner.invoke(app, args)
+        assert result.exit_code == 0, (args, result.output)
+        assert "plan:" in result.stdout or "@triton.jit" in result.stdout or "extern \"C\"" in result.stdout
+
+
+def test_explain_a_function_of_a_file_on_a_target(tmp_path):
+    path = tmp_path / "prog.py"
+    path.write_text("import torch\n\ndef scaled(x):\n    return torch.softmax(x * 2, -1)\n\n"
+                    "def scaled_example_inputs():\n    return [torch.randn(4, 8)]\n")
+    result = runner.invoke(app, ["explain", f"{path}:scaled", "--target", "triton", "--level", "source"])
+    assert result.exit_code == 0 and "@triton.jit" in result.stdout, result.output
+    plan = runner.invoke(app, ["explain", f"{path}:scaled", "--level", "plan"])
+    assert plan.exit_code == 0 and "softmax" in plan.stdout
+    fails(["explain", f"{path}:missing"], 1, "defines no missing")
+    fails(["explain", "softmax", "--target", "gpu"], 2, "unknown target 'gpu'")
