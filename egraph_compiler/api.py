@@ -67,7 +67,7 @@ class CompiledFunction:
 def compile(fn, example_inputs, *, target=None, rules=(), disable=(), unsafe=False,
             iter_limit=30, node_limit=50_000, time_limit=10.0, strict=False, extraction="greedy",
             ilp_time_limit=5.0, profile=None, dot=False, trust_rules=False, cuda_graphs=False,
-            alias_inputs=False) -> CompiledFunction:
+            alias_inputs=False, progress=None) -> CompiledFunction:
     """Compile a function or nn.Module for inputs shaped like `example_inputs`.
 
     rules: extra rule files (paths) or rule text added to the library.
@@ -87,13 +87,15 @@ def compile(fn, example_inputs, *, target=None, rules=(), disable=(), unsafe=Fal
     alias_inputs: outputs that are inputs or views of inputs are returned as
     views of the caller's tensors, as eager torch returns them, instead of
     copies (training graphs use it for the tensors they hand to backward).
+    progress: called after each saturation iteration with (iterations so far,
+    e-nodes, seconds elapsed); `egc explain` draws a live line from it.
     """
     example_inputs = _check_examples(example_inputs)
     if extraction not in ("greedy", "ilp"):
         raise ValueError(f"extraction must be 'greedy' or 'ilp', not {extraction!r}")
     options = Options(target, list(rules), list(disable), unsafe, iter_limit, node_limit, time_limit, strict,
                       profile=profile, extraction=extraction, ilp_time_limit=ilp_time_limit, dot=dot,
-                      trust_rules=trust_rules, cuda_graphs=cuda_graphs, alias_inputs=alias_inputs)
+                      trust_rules=trust_rules, cuda_graphs=cuda_graphs, alias_inputs=alias_inputs, progress=progress)
     kwargs = dict(target=target, rules=rules, disable=disable, unsafe=unsafe, iter_limit=iter_limit,
                   node_limit=node_limit, time_limit=time_limit, strict=strict, extraction=extraction,
                   ilp_time_limit=ilp_time_limit, profile=profile, trust_rules=trust_rules, cuda_graphs=cuda_graphs,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import sys
 import traceback
 from pathlib import Path
 
@@ -154,13 +155,40 @@ def explain(target: str = typer.Argument(..., help="workload name, PATH.py (prog
     fn, inputs = load_program(target, size)
     if compile_for not in (None, "cpu", "triton", "cuda"):
         raise UsageError(f"unknown target {compile_for!r}; one of cpu, triton, cuda")
-    levels = explain_program(fn, inputs, unsafe=unsafe, dot=dot is not None, target=compile_for)
+    progress, done = progress_line()
+    try:
+        levels = explain_program(fn, inputs, unsafe=unsafe, dot=dot is not None, target=compile_for, progress=progress)
+    finally:
+        done()
     if dot is not None:
         try:
             dot.write_text(levels.dot)
         except OSError as exc:
             raise InputFailure(f"{dot}: cannot write it: {exc.strerror or exc}") from exc
     typer.echo(str(levels) if level == "all" else getattr(levels, level))
+
+
+def progress_line(after: float = 1.0):
+    """(progress callback, done): a live line on stderr (iteration, e-nodes, elapsed)
+    once saturation has run `after` seconds, on a terminal only; silent when piped."""
+    if not sys.stderr.isatty():
+        return None, lambda: None
+    from rich.console import Console
+    console, status = Console(stderr=True), []
+
+    def report(iterations: int, enodes: int, seconds: float) -> None:
+        if seconds < after:
+            return
+        text = f"saturating: iteration {iterations}, {enodes} e-nodes, {seconds:.1f} s"
+        if not status:
+            status.append(console.status(text))
+            status[0].start()
+        status[0].update(text)
+
+    def done() -> None:
+        if status:
+            status[0].stop()
+    return report, done
 
 
 PATHS = typer.Argument(None, help="rules files or directories of them (default: the library)")

@@ -52,6 +52,7 @@ class Options:
     trust_rules: bool = False  # skip the numerical check of user rules
     cuda_graphs: bool = False  # replay the program as one CUDA graph (cuda target; graphs.py)
     alias_inputs: bool = False  # outputs that view an input are returned as views, not copies
+    progress: object = None  # progress(iterations, e-nodes, seconds) after each saturation iteration
 
 
 @dataclass
@@ -124,7 +125,7 @@ def build_egraph(fn, example_inputs, options: Options, levels: Levels | None = N
     session.run(text)
     limits = saturate.Limits(options.iter_limit, options.node_limit, options.time_limit)
     feeder = FactFeeder(session, graph) if needs_facts(rules) else None
-    report = saturate.saturate(session, schedule(rules, phases), limits, feeder)
+    report = saturate.saturate(session, schedule(rules, phases), limits, feeder, options.progress)
     levels.egraph = str(report)
     eclasses = extract.load(session.serialized(), graph, names)
     if options.dot:

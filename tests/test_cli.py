@@ -163,3 +163,36 @@ def test_explain_a_function_of_a_file_on_a_target(tmp_path):
     assert plan.exit_code == 0 and "softmax" in plan.stdout
     fails(["explain", f"{path}:missing"], 1, "defines no missing")
     fails(["explain", "softmax", "--target", "gpu"], 2, "unknown target 'gpu'")
+
+
+def test_progress_reaches_the_caller_and_the_line_is_silent_when_piped(monkeypatch):
+    import egraph_compiler as egc
+    from egraph_compiler import cli, workloads
+    seen = []
+    fn, inputs = workloads.make("gpt_block", "test")
+    egc.compile(fn, inputs, progress=lambda *a: seen.append(a))
+    assert [s[0] for s in seen] == list(range(1, len(seen) + 1)) and len(seen) >= 2
+    assert all(n > 0 and t >= 0 for _, n, t in seen) and seen[-1][2] >= seen[0][2]
+    result = runner.invoke(app, ["explain", "gpt_block", "--level", "plan"])  # not a terminal: no live line
+    assert result.exit_code == 0 and "saturating" not in result.output
+    lines = []  # on a terminal: the line appears once saturation has run `after` seconds
+
+    class Status:
+        def __init__(self, text):
+            lines.append(text)
+
+        def start(self):
+            pass
+
+        def update(self, text):
+            lines.append(text)
+
+        def stop(self):
+            lines.append("stopped")
+    monkeypatch.setattr(cli.sys.stderr, "isatty", lambda: True, raising=False)
+    monkeypatch.setattr("rich.console.Console.status", lambda self, text: Status(text))
+    report, done = cli.progress_line(after=0.5)
+    report(1, 10, 0.1)
+    report(2, 40, 0.7)
+    done()
+    assert lines == ["saturating: iteration 2, 40 e-nodes, 0.7 s"] * 2 + ["stopped"]

@@ -54,6 +54,8 @@ class Report:
     # (groups, stop reason, iterations, e-nodes before, e-nodes after, seconds), one per phase
     phases: list[tuple[str, str, int, int, int, float]] = field(default_factory=list)
     note: str = ""  # how a limit was judged, when it stopped the run before an iteration
+    # called after each iteration with (iterations so far, e-nodes, seconds since the run began)
+    progress: object = field(default=None, repr=False, compare=False)
 
     def __str__(self) -> str:
         fired = ", ".join(f"{name} x{n}" for name, n in sorted(self.matches.items()) if n) or "none"
@@ -73,11 +75,13 @@ def install_rules(session: EgglogSession, rules: list[Rule]) -> None:
 
 
 def saturate(session: EgglogSession, schedule: list[tuple[list[str], int | None]], limits: Limits,
-             feeder=None) -> Report:
+             feeder=None, progress=None) -> Report:
     """Run the schedule.  `feeder` (a FactFeeder), when rules have shape
-    conditions, types new e-classes after each iteration."""
-    report = Report()
+    conditions, types new e-classes after each iteration; `progress(iterations,
+    e-nodes, seconds)` is told after each iteration."""
     start = time.perf_counter()
+    report = Report(progress=None if progress is None else (
+        lambda iterations, size: progress(iterations, size, time.perf_counter() - start)))
     if feeder is not None:
         feeder.feed()
     pace = Pace(start, session.size())
@@ -136,6 +140,8 @@ def _iterate(session, phase, limits, report, pace):
         return None, pace.size
     pace.kept(guarded)
     report.iterations += 1
+    if report.progress is not None:
+        report.progress(report.iterations, size)
     for name, n in result.matches.items():
         if not name.startswith(HIDDEN):
             report.matches[name.split("#")[0].removesuffix(".reverse")] += n
