@@ -1,0 +1,85 @@
+"""Compiled models under torch.distributed (issue 12): two processes on CPU with
+the gloo backend, started by the test.  `DDP(torch.compile(model,
+backend="egraph"))` compiles each rank's forward and backward graphs through
+the pipeline, and after a few optimizer steps its parameters match eager DDP's.
+`torch.compile(DDP(model), backend="egraph")`: Dynamo skips DDP's forward (as it
+does for Inductor in torch 2.13), so the model runs eagerly and the backend is
+never called; the README says to wrap the compiled model in DDP instead."""
+import copy
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+WORLD = 2
+
+
+def _model(name: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if name == "mlp":
+        return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.LayerNorm(64),
+                                   torch.nn.Linear(64, 8))
+    import transformers as tf
+    config = tf.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=32, use_cache=False,
+                           resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return tf.GPT2LMHeadModel(config).train()
+
+
+def _batch(name: str, g: torch.Generator):
+    return torch.randn(16, 32, generator=g) if name == "mlp" else torch.randint(0, 128, (2, 16), generator=g)
+
+
+def _loss(model, x):
+    out = model(x)
+    return (out.logits if hasattr(out, "logits") else out).square().mean()
+
+
+def _rank(rank: int, init: str, name: str, order: str, results) -> None:
+    import warnings
+    warnings.simplefilter("ignore")
+    import egraph_compiler as egc
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
+    try:
+        model = _model(name)
+        reference = copy.deepcopy(model)
+        egc.last_plans(clear=True)
+        ours = (DDP(torch.compile(model, backend="egraph")) if order == "ddp_of_compiled"
+                else torch.compile(DDP(model), backend="egraph"))
+        eager = DDP(reference)
+        optimizers = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (ours, eager)]
+        g = torch.Generator().manual_seed(rank)  # each rank its own data: the gradients are all-reduced
+        for _ in range(3):
+            x = _batch(name, g)
+            for m, opt in zip((ours, eager), optimizers):
+                opt.zero_grad()
+                _loss(m, x).backward()
+                opt.step()
+        scale = max(p.abs().max().item() for p in reference.parameters())
+        diff = max((a - b).abs().max().item() for a, b in zip(model.parameters(), reference.parameters()))
+        results[rank] = (diff / scale, len(egc.last_plans()))
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(name: str, order: str) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        results = mp.Manager().dict()
+        mp.spawn(_rank, args=(f"file://{tmp}/rendezvous", name, order, results), nprocs=WORLD)
+        return dict(results)
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt2"])
+def test_ddp_of_a_compiled_model_matches_eager_ddp(name):
+    results = _run(name, "ddp_of_compiled")
+    assert sorted(results) == list(range(WORLD))
+    for rank, (relative_diff, plans) in results.items():
+        assert plans >= 2, f"rank {rank}: the pipeline compiled {plans} plan(s), expected forward and backward"
+        assert relative_diff < 1e-3, f"rank {rank}: parameters differ from eager DDP's by {relative_diff:.2e}"
+
+
+def test_compiling_ddp_itself_runs_eagerly_as_dynamo_skips_ddp():
+    results = _run("mlp", "compiled_ddp")
+    assert all(plans == 0 and diff == 0.0 for diff, plans in results.values()), results
