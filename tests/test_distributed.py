@@ -1,7 +1,8 @@
 """Compiled models under torch.distributed (issue 12): two processes on CPU with
 the gloo backend, started by the test.  `DDP(torch.compile(model,
 backend="egraph"))` compiles each rank's forward and backward graphs through
-the pipeline, and after a few optimizer steps its parameters match eager DDP's.
+the pipeline, and after a few optimizer steps its parameters match eager DDP's
+(an MLP, GPT-2, LLaMA with grouped-query attention).
 `torch.compile(DDP(model), backend="egraph")`: Dynamo skips DDP's forward (as it
 does for Inductor in torch 2.13), so the model runs eagerly and the backend is
 never called; the README says to wrap the compiled model in DDP instead."""
@@ -23,6 +24,10 @@ def _model(name: str) -> torch.nn.Module:
         return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.LayerNorm(64),
                                    torch.nn.Linear(64, 8))
     import transformers as tf
+    if name == "llama_gqa":
+        return tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                                  use_cache=False)).train()
     config = tf.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=32, use_cache=False,
                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     return tf.GPT2LMHeadModel(config).train()
@@ -71,7 +76,7 @@ def _run(name: str, order: str) -> dict:
         return dict(results)
 
 
-@pytest.mark.parametrize("name", ["mlp", "gpt2"])
+@pytest.mark.parametrize("name", ["mlp", "gpt2", "llama_gqa"])
 def test_ddp_of_a_compiled_model_matches_eager_ddp(name):
     results = _run(name, "ddp_of_compiled")
     assert sorted(results) == list(range(WORLD))
