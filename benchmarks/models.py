@@ -23,6 +23,7 @@ import torch
 
 import egraph_compiler as egc
 from benchmarks.common import interleaved, model_parser, run_models
+from benchmarks.kernels import kernel_times
 from benchmarks.run import TOL, check, short_error, sync, time_block
 
 SIZES = {  # layers, hidden, heads, batch, sequence (ViT: image side = 4 * sequence ** 0.5)
@@ -108,25 +109,15 @@ def bench_model(name: str, args) -> dict:
         row["ms"] = interleaved(lambda v: 1e3 * time_block(callables[v], inputs, min(inner[v], 200), device),
                                 list(callables), args.reps)
         if args.profile:
-            row["profile"] = {v: profile(f, inputs, args.profile) for v, f in callables.items()}
+            row["profile"] = {v: profile(f, inputs, args.profile, device) for v, f in callables.items()}
     torch._dynamo.reset()
     return row
 
 
-def profile(fn, inputs, top: int, calls: int = 5) -> list[tuple[str, int, float]]:
-    """Where one call's time goes: the `top` kernels / host ops by self time, as
-    (name, count per call, microseconds per call), from torch.profiler."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with torch_profile(activities=activities) as prof:
-        for _ in range(calls):
-            fn(*inputs)
-        sync("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.cuda.is_available()
-    events = sorted(prof.key_averages(), key=lambda e: -(e.self_device_time_total if device else e.self_cpu_time_total))
-    return [(e.key[:90], e.count // calls, (e.self_device_time_total if device else e.self_cpu_time_total) / calls)
-            for e in events[:top]]
+def profile(fn, inputs, top: int, device: str, calls: int = 5) -> list[tuple[str, int, float]]:
+    """Where one call's time goes: the `top` kernels (CPU: ops) by self time, as
+    (name, launches per call, microseconds per call), from benchmarks.kernels."""
+    return [(key[:90], count, us) for key, us, count in kernel_times(fn, inputs, calls, device)[:top]]
 
 
 def markdown(rows: list[dict]) -> str:

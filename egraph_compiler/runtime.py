@@ -42,15 +42,13 @@ class Executable:
         release = release_schedule(plan)
         verify_plan(plan, release)
         self.wrapper = _straight_line(self, {lk.name: lk for lk in loops}, nodes, release)
-        wrapper = _exec_wrapper(self.wrapper.source, self.wrapper.names)
         self._memo: dict = {}  # values one run of the wrapper shares between its steps
-
-        def run(env):
-            self._memo = {}
-            return wrapper(env)
-        self._run = run
+        self._run = self._runner(self.wrapper.names)
         self._scalars: dict[tuple[int, int], torch.Tensor] = {}  # made once: no host copy per call
-        self._specs = None  # per user input: (node, env key, shape, torch dtype, on cuda); made on first call
+        bound = self.graph.bound
+        self._specs = [(n, id(n), n.shape, torch_dtype(n.dtype)) for n in self.graph.inputs  # per user input
+                       if n.attr("name") not in bound]
+        self._bound_specs = [(n, id(n), bound[n.attr("name")]) for n in self.graph.inputs if n.attr("name") in bound]
         self.graphed = None
         if cuda_graphs and target.device == "cuda":
             user = [id(n) for n in self.graph.inputs if n.attr("name") not in self.graph.bound]
@@ -82,11 +80,19 @@ class Executable:
             return run
         names = {n: timed(n[1:], f) if n.startswith("_") and not n.startswith("_empty_") else f
                  for n, f in self.wrapper.names.items()}
-        run = _exec_wrapper(self.wrapper.source, names)
+        run = self._runner(names)
         for _ in range(reps + 1):  # the first run warms caches and is dropped
-            self._memo = {}
             run(self._bind(args))
         return {step: statistics.median(t[1:]) for step, t in times.items()}
+
+    def _runner(self, names: dict):
+        """The wrapper over these step callables, each run starting a fresh memo."""
+        wrapper = _exec_wrapper(self.wrapper.source, names)
+
+        def run(env):
+            self._memo = {}
+            return wrapper(env)
+        return run
 
     def torch_step(self, kernel, contiguous: bool = True):
         """A library call or ATen fallback as a function of the kernel's inputs.
@@ -124,17 +130,12 @@ class Executable:
         """The call's tensors by input node. Per call and per input (a model's
         parameters are inputs under Dynamo), so the common case is a few
         attribute reads; `_check` says what is wrong otherwise."""
-        if self._specs is None:
-            cuda = self.target.device == "cuda"
-            self._specs = [(n, id(n), n.shape, torch_dtype(n.dtype), cuda) for n in self.graph.inputs
-                           if n.attr("name") not in self.graph.bound]
-            self._bound_specs = [(n, id(n), self.graph.bound[n.attr("name")]) for n in self.graph.inputs
-                                 if n.attr("name") in self.graph.bound]
+        cuda = self.target.device == "cuda"
         if len(args) != len(self._specs):
             raise InputError(f"expected {len(self._specs)} tensor argument(s) "
                              f"({', '.join(n.attr('name') for n, *_ in self._specs)}), got {len(args)}")
         env = {}
-        for (node, key, shape, dtype, cuda), value in zip(self._specs, args):
+        for (node, key, shape, dtype), value in zip(self._specs, args):
             if not (isinstance(value, torch.Tensor) and value.dtype == dtype and value.shape == shape
                     and (value.is_cuda if cuda else value.is_cpu)):
                 value = self._check(node, value)
