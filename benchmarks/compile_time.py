@@ -40,11 +40,11 @@ def gpt2_stack(layers: int, dim: int = 768, heads: int = 12):
     return model, params
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--seq", type=int, default=64)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     model, params = gpt2_stack(args.layers)
     x = torch.randn(1, args.seq, 768)
     levels = Levels()

@@ -159,5 +159,5 @@ TARGET = Target(
                  -1.0: "(1.0f / ({0}))"},
     floordiv="/", dtypes=frozenset({"float32", "float16", "bfloat16", "bool", "int64", "int32", "weak"}),
     dtype_names=CTYPES, int_const=lambda v: f"int64_t({v})",
-    render=render_program, load=load,
+    render=render_program, kernel_source=render_kernel, load=load,
 )

@@ -348,7 +348,8 @@ for path, name, signature, xblock, rblock, warps in specs:
 """
 
 
-TABLE = Target(name="cuda", device="cuda", render=render_program, load=load, **_FIELDS)
+TABLE = Target(name="cuda", device="cuda", render=render_program, kernel_source=lambda k: _Kernel(k).render(),
+               load=load, **_FIELDS)
 
 
 def make_target(name: str, device: str) -> Target:

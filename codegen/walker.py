@@ -29,6 +29,7 @@ class Target:
     dtype_names: dict[str, str] = field(default_factory=dict)  # our dtype -> the language's
     int_const: Callable[[int], str] = str  # an integer literal (in integer arithmetic and comparisons)
     render: Callable = None  # loop kernels -> the program's source
+    kernel_source: Callable = None  # one loop kernel -> its source alone (reports show it per kernel)
     # (source, loop kernels) -> ({kernel name: callable over torch tensors, inputs then outputs}, compiled_now)
     load: Callable = None
 

@@ -1,11 +1,13 @@
 """Public API: `compile`, `explain`, and the `torch.compile` backend."""
 from __future__ import annotations
 
+import os
+
 import torch
 
 from .capture import bind_sizes
 from .errors import InputError
-from .pipeline import Levels, Options, run_pipeline
+from .pipeline import REPORT_ENV, Levels, Options, run_pipeline
 
 
 class CompiledFunction:
@@ -58,6 +60,15 @@ class CompiledFunction:
             return None
         return f"off: {graphed.disabled}" if graphed.disabled else "recorded" if graphed.recorded else "warming up"
 
+    def write_report(self, path, measure=None, eclass: str | None = None, title: str = ""):
+        """Write the HTML report (htmlreport.py) to `path`; with `measure` (inputs
+        to run), each kernel's measured time stands beside its estimate.  Needs a
+        program compiled with `report=` (or `keep_egraph=True`) for the captured
+        graph and the e-graph views."""
+        from .htmlreport import write_report
+        measured = self._executable.kernel_times(*measure) if measure is not None else None
+        return write_report(path, self, measured, title=title, eclass=eclass)
+
     @property
     def compiled_now(self) -> bool:
         """False when the generated code came from the on-disk cache."""
@@ -67,7 +78,7 @@ class CompiledFunction:
 def compile(fn, example_inputs, *, target=None, rules=(), disable=(), unsafe=False,
             iter_limit=30, node_limit=50_000, time_limit=10.0, strict=False, extraction="greedy",
             ilp_time_limit=5.0, profile=None, dot=False, trust_rules=False, cuda_graphs=False,
-            alias_inputs=False, progress=None) -> CompiledFunction:
+            alias_inputs=False, progress=None, report=None, keep_egraph=False) -> CompiledFunction:
     """Compile a function or nn.Module for inputs shaped like `example_inputs`.
 
     rules: extra rule files (paths) or rule text added to the library.
@@ -89,18 +100,34 @@ def compile(fn, example_inputs, *, target=None, rules=(), disable=(), unsafe=Fal
     copies (training graphs use it for the tensors they hand to backward).
     progress: called after each saturation iteration with (iterations so far,
     e-nodes, seconds elapsed); `egc explain` draws a live line from it.
+    report: a path: write the HTML report of this compile there (one
+    self-contained page; `egc explain --html` and the EGC_REPORT=DIR environment
+    variable, a page per compile plus an index.html, write the same).
+    keep_egraph: keep the captured graph and saturated e-graph in `levels`, for
+    `write_report` later (implied by `report` and EGC_REPORT).
     """
     example_inputs = _check_examples(example_inputs)
     if extraction not in ("greedy", "ilp"):
         raise ValueError(f"extraction must be 'greedy' or 'ilp', not {extraction!r}")
     options = Options(target, list(rules), list(disable), unsafe, iter_limit, node_limit, time_limit, strict,
                       profile=profile, extraction=extraction, ilp_time_limit=ilp_time_limit, dot=dot,
-                      trust_rules=trust_rules, cuda_graphs=cuda_graphs, alias_inputs=alias_inputs, progress=progress)
+                      trust_rules=trust_rules, cuda_graphs=cuda_graphs, alias_inputs=alias_inputs, progress=progress,
+                      keep_egraph=bool(keep_egraph or report or os.environ.get(REPORT_ENV)))
     kwargs = dict(target=target, rules=rules, disable=disable, unsafe=unsafe, iter_limit=iter_limit,
                   node_limit=node_limit, time_limit=time_limit, strict=strict, extraction=extraction,
                   ilp_time_limit=ilp_time_limit, profile=profile, trust_rules=trust_rules, cuda_graphs=cuda_graphs,
                   alias_inputs=alias_inputs)
-    return CompiledFunction(*run_pipeline(fn, example_inputs, options), fn=fn, options=kwargs)
+    compiled = CompiledFunction(*run_pipeline(fn, example_inputs, options), fn=fn, options=kwargs)
+    if report:
+        compiled.write_report(report)
+    if os.environ.get(REPORT_ENV):
+        from .htmlreport import report_dir_page
+        report_dir_page(os.environ[REPORT_ENV], compiled, _name(fn))
+    return compiled
+
+
+def _name(fn) -> str:
+    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
 
 
 def _check_examples(example_inputs) -> list:

@@ -147,9 +147,13 @@ def explain(target: str = typer.Argument(..., help="workload name, PATH.py (prog
                                                                    "inputs' device)"),
             unsafe: bool = typer.Option(False, help="enable unsafe rules"),
             level: str = typer.Option("all", help="one of aten, graph, egraph, plan, loops, source, wrapper, all"),
-            dot: Path = typer.Option(None, help="also write the saturated e-graph here (Graphviz DOT)")):
-    """Print each IR level of a compiled program."""
-    from .api import explain as explain_program
+            dot: Path = typer.Option(None, help="also write the saturated e-graph here (Graphviz DOT)"),
+            html: Path = typer.Option(None, "--html", help="also write the HTML report here (one page)"),
+            svg: Path = typer.Option(None, "--svg", help="also write the pictures (SVG) into this directory"),
+            measure: bool = typer.Option(False, help="time each kernel for the report (--html)"),
+            eclass: str = typer.Option(None, help="the e-class the report's e-graph view centres on")):
+    """Print each IR level of a compiled program (and write its HTML report or pictures)."""
+    from .api import compile as compile_program
     if level not in LEVELS:
         raise UsageError(f"unknown level {level!r}; one of {', '.join(LEVELS)}")
     fn, inputs = load_program(target, size)
@@ -157,15 +161,30 @@ def explain(target: str = typer.Argument(..., help="workload name, PATH.py (prog
         raise UsageError(f"unknown target {compile_for!r}; one of cpu, triton, cuda")
     progress, done = progress_line()
     try:
-        levels = explain_program(fn, inputs, unsafe=unsafe, dot=dot is not None, target=compile_for, progress=progress)
+        compiled = compile_program(fn, inputs, unsafe=unsafe, dot=dot is not None, target=compile_for,
+                                   progress=progress, keep_egraph=html is not None or svg is not None)
     finally:
         done()
-    if dot is not None:
-        try:
-            dot.write_text(levels.dot)
-        except OSError as exc:
-            raise InputFailure(f"{dot}: cannot write it: {exc.strerror or exc}") from exc
+    levels = compiled.levels
+    if eclass is not None and (html is None or eclass not in levels.eclasses.classes):
+        raise UsageError(f"--eclass {eclass}: " + ("it goes with --html" if html is None else
+                                                   "no such e-class in this e-graph (the report names them)"))
+    _write(dot, lambda: dot.write_text(levels.dot))
+    _write(html, lambda: compiled.write_report(html, measure=inputs if measure else None, eclass=eclass,
+                                               title=target))
+    if svg is not None:
+        from .htmlreport import write_svgs
+        _write(svg, lambda: write_svgs(svg, compiled))
     typer.echo(str(levels) if level == "all" else getattr(levels, level))
+
+
+def _write(path: Path | None, action) -> None:
+    if path is None:
+        return
+    try:
+        action()
+    except OSError as exc:
+        raise InputFailure(f"{path}: cannot write it: {exc.strerror or exc}") from exc
 
 
 def progress_line(after: float = 1.0):
@@ -271,3 +290,29 @@ def profile_reset():
     """Forget this machine's cached calibrations (the next compile measures again)."""
     from . import calibrate
     typer.echo(f"removed {calibrate.reset()} cached profile(s)")
+
+
+BENCHES = ("run", "models", "kernels", "overhead", "compile_time", "cost_fidelity", "coldstart", "training",
+           "bandwidth")
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True}, add_help_option=False)
+@reports_errors
+def bench(ctx: typer.Context,
+          harness: str = typer.Argument("run", help=f"which benchmark: {', '.join(BENCHES)}")):
+    """Run a benchmark of the source checkout's benchmarks/ (from the repository
+    root); the other arguments go to it (`egc bench run --help`)."""
+    if harness in ("--help", "-h"):
+        typer.echo(f"usage: egc bench [{'|'.join(BENCHES)}] [ARGS...]  (from the repository root; "
+                   "`egc bench HARNESS --help` for its arguments)")
+        raise typer.Exit(0)
+    if harness not in BENCHES:
+        raise UsageError(f"unknown benchmark {harness!r}; one of {', '.join(BENCHES)}")
+    root = Path.cwd()
+    if not (root / "benchmarks" / f"{harness}.py").is_file():
+        raise UsageError(f"no benchmarks/{harness}.py here: egc bench runs the benchmark harness of a source "
+                         "checkout, from its root directory")
+    sys.path.insert(0, str(root))
+    module = importlib.import_module(f"benchmarks.{harness}")
+    code = module.main(list(ctx.args))
+    raise typer.Exit(code or 0)

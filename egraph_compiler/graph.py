@@ -202,6 +202,7 @@ class Graph:
     # the user's result structure: (pytree spec, leaves), a leaf an int (index into outputs) or
     # Literal(value) for a non-tensor the program returns; None: the outputs as a tuple
     results: tuple | None = None
+    eclass: dict[int, str] = field(default_factory=dict)  # id(node) -> its e-class (an extracted graph's)
 
     @property
     def user_outputs(self) -> int:

@@ -31,6 +31,7 @@ from .runtime import Executable
 from .siblings import fuse_siblings
 
 DEBUG_ENV = "EGC_DEBUG"
+REPORT_ENV = "EGC_REPORT"  # a directory: every compile writes an HTML report page there (htmlreport.py)
 PROFILE_ENV = "EGC_PROFILE"  # the default device profile (tests pin "cpu-default" for stable plans)
 _warned: set[str] = set()
 
@@ -53,6 +54,7 @@ class Options:
     cuda_graphs: bool = False  # replay the program as one CUDA graph (cuda target; graphs.py)
     alias_inputs: bool = False  # outputs that view an input are returned as views, not copies
     progress: object = None  # progress(iterations, e-nodes, seconds) after each saturation iteration
+    keep_egraph: bool = False  # keep the captured graph, e-classes and rules in Levels (for reports)
 
 
 @dataclass
@@ -66,6 +68,10 @@ class Levels:
     wrapper: str = ""  # the straight-line Python each call runs
     dot: str = ""  # the saturated e-graph (Graphviz), when asked for
     timings: dict = field(default_factory=dict)
+    # with Options.keep_egraph (reports): the captured Graph, the saturated e-classes, the rules
+    captured: object = None
+    eclasses: object = None
+    rules: list = field(default_factory=list)
 
     def __str__(self) -> str:
         parts = [("ATen graph", self.aten), ("Graph IR", self.graph), ("e-graph", self.egraph),
@@ -131,6 +137,8 @@ def build_egraph(fn, example_inputs, options: Options, levels: Levels | None = N
     if options.dot:
         levels.dot = session.dot()
     extract.infer_types(eclasses, graph)
+    if options.keep_egraph:
+        levels.captured, levels.eclasses, levels.rules = graph, eclasses, rules
     return graph, eclasses, report, rules
 
 

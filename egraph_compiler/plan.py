@@ -53,6 +53,7 @@ class Plan:
     rules_fired: dict[str, int] = field(default_factory=dict)
     extraction: str = ""  # how extraction chose, and its costs
     alias_inputs: bool = False  # outputs that view an input are returned as views (no copy kernel)
+    profile: DeviceProfile | None = None  # the device profile the estimates used
 
     @property
     def cost(self) -> float:
@@ -118,7 +119,7 @@ def _kernels(graph: Graph, profile: DeviceProfile, target, alias_inputs: bool = 
         kernels.append(kernel)
         if kind == "aten":
             fallbacks.append(_fallback_entry(node, reason, graph))
-    return Plan(graph, kernels, fallbacks, alias_inputs=alias_inputs)
+    return Plan(graph, kernels, fallbacks, alias_inputs=alias_inputs, profile=profile)
 
 
 def _fallback_entry(node: Node, reason: str, graph: Graph) -> str:
@@ -144,7 +145,8 @@ def _rebuild(graph: Graph, cut: set[int]) -> Graph:
             memo[id(node)] = Node.make(node.op, args, node.a)
     outputs = tuple(memo[id(o)] for o in graph.outputs)
     where = {**graph.where, **{id(memo[k]): v for k, v in graph.where.items() if k in memo}}
-    return replace(graph, outputs=outputs, where=where)
+    eclass = {**graph.eclass, **{id(memo[k]): v for k, v in graph.eclass.items() if k in memo}}
+    return replace(graph, outputs=outputs, where=where, eclass=eclass)
 
 
 def kernel_body(root: Node) -> tuple[list[Node], list[Node]]:

@@ -149,6 +149,7 @@ def build(eg: EClassGraph, extractor: KernelExtractor, graph: Graph) -> Graph:
     inputs = {n.attr("name"): n for n in graph.inputs}
     built: dict[tuple[str, str], Node] = {}
     where = dict(graph.where)
+    eclass: dict[int, str] = {}
 
     active: set[tuple[str, str]] = set()
 
@@ -183,10 +184,11 @@ def build(eg: EClassGraph, extractor: KernelExtractor, graph: Graph) -> Graph:
         else:
             node = Node.make(en.op, tuple(args), en.attrs)
         built[key] = node
+        eclass.setdefault(id(node), class_id)
         if class_id in eg.where:
             where.setdefault(id(node), eg.where[class_id])
         return node
 
     sys.setrecursionlimit(max(sys.getrecursionlimit(), 20000))  # deep programs recurse deeply
     outputs = tuple(make(r, "mat") for r in eg.roots)
-    return replace(graph, outputs=outputs, where=where)
+    return replace(graph, outputs=outputs, where=where, eclass=eclass)

@@ -54,6 +54,7 @@ class Report:
     # (groups, stop reason, iterations, e-nodes before, e-nodes after, seconds), one per phase
     phases: list[tuple[str, str, int, int, int, float]] = field(default_factory=list)
     note: str = ""  # how a limit was judged, when it stopped the run before an iteration
+    growth: list[tuple[int, float]] = field(default_factory=list)  # (e-nodes, seconds) after each iteration
     # called after each iteration with (iterations so far, e-nodes, seconds since the run began)
     progress: object = field(default=None, repr=False, compare=False)
 
@@ -140,6 +141,7 @@ def _iterate(session, phase, limits, report, pace):
         return None, pace.size
     pace.kept(guarded)
     report.iterations += 1
+    report.growth.append((size, time.perf_counter() - pace.start))
     if report.progress is not None:
         report.progress(report.iterations, size)
     for name, n in result.matches.items():
