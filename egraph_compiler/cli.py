@@ -175,7 +175,41 @@ def explain(target: str = typer.Argument(..., help="workload name, PATH.py (prog
     if svg is not None:
         from .htmlreport import write_svgs
         _write(svg, lambda: write_svgs(svg, compiled))
-    typer.echo(str(levels) if level == "all" else getattr(levels, level))
+    if sys.stdout.isatty():
+        _show(compiled, level)
+    else:
+        typer.echo(str(levels) if level == "all" else getattr(levels, level))
+
+
+def _show(compiled, level: str) -> None:
+    """On a terminal: the plan as a table and the code syntax-highlighted (rich)."""
+    from rich.console import Console
+    from rich.rule import Rule
+    from rich.syntax import Syntax
+    from rich.table import Table
+    console, levels = Console(), compiled.levels
+    language = "cpp" if compiled._executable.target.name == "cpu" else "python"
+    titles = {"aten": "ATen graph", "graph": "Graph IR", "egraph": "e-graph", "plan": "plan", "loops": "loop IR",
+              "source": "source", "wrapper": "wrapper"}
+    for name, title in titles.items():
+        if level not in ("all", name):
+            continue
+        console.print(Rule(title))
+        if name == "plan":
+            table = Table(title=f"{len(compiled.plan.kernels)} kernel(s), estimated {compiled.plan.cost * 1e6:.1f} us")
+            for column in ("kernel", "kind", "ops", "output", "bytes", "estimate"):
+                table.add_column(column)
+            colours = {"generated": "green", "library": "blue", "aten": "red"}
+            for k in compiled.plan.kernels:
+                ops = " -> ".join(n.op for n in k.ops if n.group != "boundary")
+                table.add_row(k.name, f"[{colours[k.kind]}]{k.kind}[/]", ops, str(k.output.shape),
+                              f"{k.bytes:,.0f}", f"{k.seconds * 1e6:.1f} us")
+            console.print(table)
+            console.print(getattr(levels, name), markup=False, highlight=False, soft_wrap=True)
+        elif name in ("source", "wrapper"):
+            console.print(Syntax(getattr(levels, name), language if name == "source" else "python"))
+        else:
+            console.print(getattr(levels, name), markup=False, highlight=False, soft_wrap=True)
 
 
 def _write(path: Path | None, action) -> None:

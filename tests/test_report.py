@@ -148,3 +148,15 @@ def test_egc_explain_writes_html_and_svg(tmp_path):
     assert (tmp_path / "svg" / "plan.svg").read_text().startswith("<svg")
     bad = runner.invoke(app, ["explain", "softmax", "--eclass", "T-0", "--level", "plan"])
     assert bad.exit_code == 2 and "goes with --html" in bad.output
+
+
+def test_egc_explain_on_a_terminal_shows_a_plan_table_and_highlighted_source(capsys):
+    from egraph_compiler.cli import _show
+    fn, inputs = workloads.make("mlp_gelu", "test")
+    compiled = egc.compile(fn, inputs)
+    _show(compiled, "all")
+    out = capsys.readouterr().out
+    table = [line for line in out.splitlines() if "\u2502" in line and " us" in line]  # rich's table rows
+    assert len(table) == len(compiled.plan.kernels)
+    assert all(k.kind in row and k.name in row for k, row in zip(compiled.plan.kernels, table))
+    assert 'extern "C" void k' in out and "=== plan ===" not in out
