@@ -78,7 +78,7 @@ class CompiledFunction:
 def compile(fn, example_inputs, *, target=None, rules=(), disable=(), unsafe=False,
             iter_limit=30, node_limit=50_000, time_limit=10.0, strict=False, extraction="greedy",
             ilp_time_limit=5.0, profile=None, dot=False, trust_rules=False, cuda_graphs=False,
-            alias_inputs=False, progress=None, report=None, keep_egraph=False) -> CompiledFunction:
+            alias_inputs=False, progress=None, report=None, keep_egraph=False, cache=None) -> CompiledFunction:
     """Compile a function or nn.Module for inputs shaped like `example_inputs`.
 
     rules: extra rule files (paths) or rule text added to the library.
@@ -105,6 +105,9 @@ def compile(fn, example_inputs, *, target=None, rules=(), disable=(), unsafe=Fal
     variable, a page per compile plus an index.html, write the same).
     keep_egraph: keep the captured graph and saturated e-graph in `levels`, for
     `write_report` later (implied by `report` and EGC_REPORT).
+    cache: the shared compile cache, "redis://HOST:PORT/DB" (default: the
+    EGC_REMOTE_CACHE environment variable; False: none): built C++ libraries are
+    fetched from it instead of compiled, and stored there after a build (remote.py).
     """
     example_inputs = _check_examples(example_inputs)
     if extraction not in ("greedy", "ilp"):
@@ -112,11 +115,11 @@ def compile(fn, example_inputs, *, target=None, rules=(), disable=(), unsafe=Fal
     options = Options(target, list(rules), list(disable), unsafe, iter_limit, node_limit, time_limit, strict,
                       profile=profile, extraction=extraction, ilp_time_limit=ilp_time_limit, dot=dot,
                       trust_rules=trust_rules, cuda_graphs=cuda_graphs, alias_inputs=alias_inputs, progress=progress,
-                      keep_egraph=bool(keep_egraph or report or os.environ.get(REPORT_ENV)))
+                      keep_egraph=bool(keep_egraph or report or os.environ.get(REPORT_ENV)), cache=cache)
     kwargs = dict(target=target, rules=rules, disable=disable, unsafe=unsafe, iter_limit=iter_limit,
                   node_limit=node_limit, time_limit=time_limit, strict=strict, extraction=extraction,
                   ilp_time_limit=ilp_time_limit, profile=profile, trust_rules=trust_rules, cuda_graphs=cuda_graphs,
-                  alias_inputs=alias_inputs)
+                  alias_inputs=alias_inputs, cache=cache)
     compiled = CompiledFunction(*run_pipeline(fn, example_inputs, options), fn=fn, options=kwargs)
     if report:
         compiled.write_report(report)

@@ -19,6 +19,7 @@ import tempfile
 import warnings
 from pathlib import Path
 
+from . import remote
 from .errors import CacheError, CodegenError, ToolchainError
 
 
@@ -43,6 +44,7 @@ if _cpu_has("avx512f"):
 VECTOR_MATH = (["-DEGC_VECTOR_MATH"], ["-lmvec"])  # glibc's SIMD exp/log/tanh/erf; dropped where absent
 OUTPUT_TAIL = 3000  # characters of compiler output kept in an error
 
+builds = 0  # C++ compiles run by this process (tests and benchmarks count them)
 _fallback: Path | None = None  # the private temporary cache, made at most once per process
 _warned: set[str] = set()  # unusable cache paths already reported
 
@@ -70,7 +72,9 @@ def cache_dir() -> Path:
 
 
 def build_shared_object(source: str) -> tuple[Path, bool]:
-    """Returns the library path and whether it was compiled now (False: from the cache)."""
+    """Returns the library path and whether it was compiled now (False: from the
+    local cache, or fetched from the shared one: remote.py)."""
+    global builds
     cxx = compiler()
     key = hashlib.sha256((source + "\0" + " ".join([cxx] + CXXFLAGS)).encode()).hexdigest()[:24]
     first_root = cache_dir()
@@ -82,7 +86,20 @@ def build_shared_object(source: str) -> tuple[Path, bool]:
         lib = root / f"egc_{key}.so"
         if root != first_root and _verified(lib):  # fell back: the fallback may already hold it
             return lib, False
-        _install(_compile(cxx, source, tmp, root / f"failed_{key}.cpp"), lib)
+        shared = remote.artifact_key("cpp", [source, cxx, remote.compiler_version(cxx), *CXXFLAGS]) \
+            if remote.url() else None
+        fetched = remote.fetch(shared) if shared else None
+        if fetched is not None:
+            built = tmp / "fetched.so"
+            built.write_bytes(fetched)
+            _install(built, lib)
+            return lib, False
+        built = _compile(cxx, source, tmp, root / f"failed_{key}.cpp")
+        builds += 1
+        data = built.read_bytes() if shared else b""
+        _install(built, lib)
+        if shared:
+            remote.store(shared, data)
         return lib, True
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

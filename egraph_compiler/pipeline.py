@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from .codegen import get_target
 from . import capture as capture_mod
+from . import remote
 from .calibrate import profile_for
 from .dsl.library import check_unique, library_phases, library_rules, load_user_items, schedule, select
 from .dsl.parser import Phase
@@ -55,6 +56,7 @@ class Options:
     alias_inputs: bool = False  # outputs that view an input are returned as views, not copies
     progress: object = None  # progress(iterations, e-nodes, seconds) after each saturation iteration
     keep_egraph: bool = False  # keep the captured graph, e-classes and rules in Levels (for reports)
+    cache: object = None  # the shared compile cache: a redis:// URL, False (none), None (EGC_REMOTE_CACHE)
 
 
 @dataclass
@@ -102,7 +104,8 @@ def run_pipeline(fn, example_inputs, options: Options):
     levels.loops = "\n\n".join(str(k) for k in loops)
     levels.source = target.render(loops)
     clock = time.perf_counter()
-    executable = Executable(plan, levels.source, loops, buffer_names, target, cuda_graphs=options.cuda_graphs)
+    with remote.using(options.cache):
+        executable = Executable(plan, levels.source, loops, buffer_names, target, cuda_graphs=options.cuda_graphs)
     levels.wrapper = executable.wrapper.source
     levels.timings["load"] = time.perf_counter() - clock
     if os.environ.get(DEBUG_ENV):
