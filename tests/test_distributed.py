@@ -5,7 +5,9 @@ the pipeline, and after a few optimizer steps its parameters match eager DDP's
 (an MLP, GPT-2, LLaMA with grouped-query attention).
 `torch.compile(DDP(model), backend="egraph")`: Dynamo skips DDP's forward (as it
 does for Inductor in torch 2.13), so the model runs eagerly and the backend is
-never called; the README says to wrap the compiled model in DDP instead."""
+never called; the README says to wrap the compiled model in DDP instead.
+FSDP2 (`fully_shard` per block and the root, then torch.compile) compiles each
+block between FSDP's hooks and matches eager FSDP2."""
 import copy
 import tempfile
 
@@ -18,8 +20,37 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 WORLD = 2
 
 
+class Block(torch.nn.Module):
+    """A residual MLP block: FSDP2 shards per block, as users shard transformer layers."""
+    def __init__(self):
+        super().__init__()
+        self.norm, self.up, self.down = torch.nn.LayerNorm(32), torch.nn.Linear(32, 64), torch.nn.Linear(64, 32)
+
+    def forward(self, x):
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+
+def _blocks(model) -> list:
+    """The modules FSDP2 shards one by one (then the root)."""
+    if isinstance(model, torch.nn.Sequential):
+        return [m for m in model if isinstance(m, Block)]
+    inner = getattr(model, "transformer", None) or model.model
+    return list(inner.h if hasattr(inner, "h") else inner.layers)
+
+
+def _fsdp2(model):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh("cpu", (WORLD,))
+    for block in _blocks(model):
+        fully_shard(block, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
 def _model(name: str) -> torch.nn.Module:
     torch.manual_seed(0)
+    if name == "blocks":
+        return torch.nn.Sequential(Block(), Block(), torch.nn.Linear(32, 8))
     if name == "mlp":
         return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.LayerNorm(64),
                                    torch.nn.Linear(64, 8))
@@ -34,7 +65,7 @@ def _model(name: str) -> torch.nn.Module:
 
 
 def _batch(name: str, g: torch.Generator):
-    return torch.randn(16, 32, generator=g) if name == "mlp" else torch.randint(0, 128, (2, 16), generator=g)
+    return torch.randn(16, 32, generator=g) if name in ("mlp", "blocks") else torch.randint(0, 128, (2, 16), generator=g)
 
 
 def _loss(model, x):
@@ -51,9 +82,12 @@ def _rank(rank: int, init: str, name: str, order: str, results) -> None:
         model = _model(name)
         reference = copy.deepcopy(model)
         egc.last_plans(clear=True)
-        ours = (DDP(torch.compile(model, backend="egraph")) if order == "ddp_of_compiled"
-                else torch.compile(DDP(model), backend="egraph"))
-        eager = DDP(reference)
+        if order == "fsdp2":  # fully_shard per block and the root, then torch.compile
+            ours, eager = torch.compile(_fsdp2(model), backend="egraph"), _fsdp2(reference)
+        else:
+            ours = (DDP(torch.compile(model, backend="egraph")) if order == "ddp_of_compiled"
+                    else torch.compile(DDP(model), backend="egraph"))
+            eager = DDP(reference)
         optimizers = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (ours, eager)]
         g = torch.Generator().manual_seed(rank)  # each rank its own data: the gradients are all-reduced
         for _ in range(3):
@@ -62,9 +96,15 @@ def _rank(rank: int, init: str, name: str, order: str, results) -> None:
                 opt.zero_grad()
                 _loss(m, x).backward()
                 opt.step()
-        scale = max(p.abs().max().item() for p in reference.parameters())
-        diff = max((a - b).abs().max().item() for a, b in zip(model.parameters(), reference.parameters()))
-        results[rank] = (diff / scale, len(egc.last_plans()))
+        def full(p):
+            return p.full_tensor() if hasattr(p, "full_tensor") else p  # FSDP2's parameters are sharded DTensors
+        scale = max(full(p).abs().max().item() for p in reference.parameters())
+        diff = max((full(a) - full(b)).abs().max().item() for a, b in zip(model.parameters(), reference.parameters()))
+        plans = egc.last_plans()
+        # plans that compute a block's matmuls (forward or backward), not just glue between hooks (blocks of one class
+        # share their compiled graphs: parameters are graph inputs)
+        blocks = sum(1 for p in plans if p.count("matmul") + p.count("linear") >= 2)
+        results[rank] = (diff / scale, len(plans) if order != "fsdp2" else blocks)
     finally:
         dist.destroy_process_group()
 
@@ -83,6 +123,18 @@ def test_ddp_of_a_compiled_model_matches_eager_ddp(name):
     for rank, (relative_diff, plans) in results.items():
         assert plans >= 2, f"rank {rank}: the pipeline compiled {plans} plan(s), expected forward and backward"
         assert relative_diff < 1e-3, f"rank {rank}: parameters differ from eager DDP's by {relative_diff:.2e}"
+
+
+@pytest.mark.parametrize("name", ["blocks", "gpt2", "llama_gqa"])
+def test_fsdp2_sharded_model_compiled_matches_eager_fsdp2(name):
+    """fully_shard per block, then torch.compile(model, backend="egraph"): Dynamo breaks
+    the graph at FSDP's hooks (which gather and free parameters) and compiles each
+    block's forward between them; AOTAutograd compiles their backward."""
+    results = _run(name, "fsdp2")
+    assert sorted(results) == list(range(WORLD))
+    for rank, (relative_diff, plans) in results.items():
+        assert plans >= 2, f"rank {rank}: the pipeline compiled {plans} block plan(s) under FSDP2, expected a forward and a backward"
+        assert relative_diff < 1e-3, f"rank {rank}: parameters differ from eager FSDP2's by {relative_diff:.2e}"
 
 
 def test_compiling_ddp_itself_runs_eagerly_as_dynamo_skips_ddp():
