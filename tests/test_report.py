@@ -160,3 +160,15 @@ def test_egc_explain_on_a_terminal_shows_a_plan_table_and_highlighted_source(cap
     assert len(table) == len(compiled.plan.kernels)
     assert all(k.kind in row and k.name in row for k, row in zip(compiled.plan.kernels, table))
     assert 'extern "C" void k' in out and "=== plan ===" not in out
+
+
+@pytest.mark.parametrize("name", workloads.NAMES)
+def test_egc_explain_and_its_report_for_every_workload(name, tmp_path):
+    """Acceptance of the CLI: `egc explain` exits 0 on each of the seven workloads,
+    and its report draws one box per kernel of the plan it printed."""
+    args = ["explain", name, "--level", "plan", "--html", str(tmp_path / "r.html")] + \
+        (["--unsafe"] if name == "algebra" else [])
+    out = CliRunner().invoke(app, args)
+    assert out.exit_code == 0, out.output
+    kernels = int(re.search(r"plan: (\d+) kernel", out.output).group(1))
+    assert len(re.findall(r'<g id="kernel_k\d+"', (tmp_path / "r.html").read_text())) == kernels
