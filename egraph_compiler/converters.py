@@ -342,3 +342,16 @@ for _name in ["add", "sub", "mul", "maximum", "gt", "ge", "lt", "le", "eq", "ne"
             CONVERTERS[getattr(getattr(aten, _name), _overload)] = _binary(_name)
 
 
+
+# functional collectives (ops.py: the "collective" group), where this torch has them
+_c10d = getattr(torch.ops, "_c10d_functional", None)
+if _c10d is not None and hasattr(_c10d, "wait_tensor"):
+    CONVERTERS.update({
+        _c10d.all_reduce.default: lambda x, reduce, group: Node.make(
+            "all_reduce", (x,), {"reduce": str(reduce), "group": str(group)}),
+        _c10d.all_gather_into_tensor.default: lambda x, size, group: Node.make(
+            "all_gather", (x,), {"group_size": int(size), "group": str(group)}),
+        _c10d.reduce_scatter_tensor.default: lambda x, reduce, size, group: Node.make(
+            "reduce_scatter", (x,), {"reduce": str(reduce), "group_size": int(size), "group": str(group)}),
+        _c10d.wait_tensor.default: lambda x: Node.make("wait_tensor", (x,)),
+    })

@@ -23,11 +23,12 @@ class DeviceProfile:
     flops: float  # FLOP / s for generated code
     library_flops: float  # FLOP / s for matmul-class library calls
     launch: float  # seconds per kernel
+    link_bandwidth: float = 5e9  # bytes / s between processes (collectives)
 
 
 PROFILES = {
     # measured ceilings on the H200 (copy bandwidth; bf16 dense matmul)
-    "h200": DeviceProfile("h200", 4.2e12, 60e12, 790e12, 4e-6),
+    "h200": DeviceProfile("h200", 4.2e12, 60e12, 790e12, 4e-6, 450e9),  # NVLink 4, one direction
     # a conservative two-core CPU; issue-level calibration refines it
     "cpu": DeviceProfile("cpu", 10e9, 40e9, 100e9, 3e-6),
 }
@@ -40,8 +41,12 @@ def itemsize(dtype: str) -> int:
     return _ITEMSIZE.get(dtype, 4)
 
 
-def kernel_cost(flops: float, bytes_moved: float, profile: DeviceProfile, library: bool = False) -> float:
-    """A kernel's time: the roofline (compute and memory overlap) plus its launch."""
+def kernel_cost(flops: float, bytes_moved: float, profile: DeviceProfile, library: bool = False,
+                link: bool = False) -> float:
+    """A kernel's time: the roofline (compute and memory overlap) plus its launch;
+    a collective (`link`): its bytes over the link between processes."""
+    if link:
+        return bytes_moved / profile.link_bandwidth + profile.launch
     peak = profile.library_flops if library else profile.flops
     return max(flops / peak, bytes_moved / profile.bandwidth) + profile.launch
 
@@ -53,9 +58,11 @@ def inlined_cost(flops: float, loads: float, profile: DeviceProfile) -> float:
 
 
 def additive_kernel_cost(flops: float, loads: float, store: float, profile: DeviceProfile,
-                         library: bool = False) -> float:
+                         library: bool = False, link: bool = False) -> float:
     """`kernel_cost` with compute and memory summed instead of overlapped: the
     linear form the ILP can minimise (an upper bound of kernel_cost)."""
+    if link:
+        return kernel_cost(flops, loads + store, profile, link=True)
     peak = profile.library_flops if library else profile.flops
     return flops / peak + (loads + store) / profile.bandwidth + profile.launch
 

@@ -13,6 +13,9 @@ Groups:
   layout    index remapping only (a view: no arithmetic)
   row       composites computed as one row kernel (softmax, layer_norm, ...)
   library   run by a tuned library call (matmul, sdpa, linear)
+  collective  a functional collective of torch.distributed (all_reduce, all_gather,
+            reduce_scatter, and wait_tensor, which waits for one): a library call
+            that moves bytes over the link between processes; nothing fuses across it
   boundary  `inline`: its operand is computed inside the consumer's kernel
   extern    anything else, run by ATen and listed as a fallback
 """
@@ -319,10 +322,25 @@ _op("conv2d", "library", 3, [("stride", "ints"), ("padding", "ints"), ("dilation
     conv2d_shape, 2, _conv2d)
 _op("sdpa", "library", 3, [("scale", "float"), ("causal", "bool")], sdpa_shape, 4, _sdpa)
 _op("sdpa_mask", "library", 4, [("scale", "float"), ("causal", "bool")], sdpa_shape, 4, _sdpa)
+# functional collectives (torch.distributed._functional_collectives as Dynamo captures them): each
+# returns a tensor that `wait_tensor` must wait for before it is read; `group` names the process group
+_c10d = getattr(torch.ops, "_c10d_functional", None)
+_op("all_reduce", "collective", 1, [("reduce", "str"), ("group", "str")], first_shape, 0,
+    lambda t, a: _c10d.all_reduce(t[0], a["reduce"], a["group"]), "first")
+_op("all_gather", "collective", 1, [("group_size", "int"), ("group", "str")],
+    lambda s, a: (s[0][0] * a["group_size"],) + tuple(s[0][1:]), 0,
+    lambda t, a: _c10d.all_gather_into_tensor(t[0], a["group_size"], a["group"]), "first")
+_op("reduce_scatter", "collective", 1, [("reduce", "str"), ("group_size", "int"), ("group", "str")],
+    lambda s, a: (s[0][0] // a["group_size"],) + tuple(s[0][1:]), 0,
+    lambda t, a: _c10d.reduce_scatter_tensor(t[0], a["reduce"], a["group_size"], a["group"]), "first")
+_op("wait_tensor", "collective", 1, [], first_shape, 0, lambda t, a: _c10d.wait_tensor(t[0]), "first")
 # kernel boundary: the operand is computed inside the consumer's kernel (value: identity)
 _op("inline", "boundary", 1, [], first_shape, 0, lambda t, a: t[0], "first")
 # anything else: run by ATen, named in the plan's fallbacks
 _op("extern", "extern", -1, [("target", "str")], leaf_shape, 0, None, "attr")
+
+
+CALLS = frozenset({"library", "collective", "extern"})  # groups run as calls on whole tensors
 
 
 def get(name: str) -> OpDef:

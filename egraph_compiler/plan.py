@@ -157,7 +157,7 @@ def kernel_body(root: Node) -> tuple[list[Node], list[Node]]:
     computed: set[int] = set()
     read: set[int] = set()
 
-    calls = root.group == "library" or root.op == "extern"  # they read whole tensors, not index maps
+    calls = root.group in ops.CALLS  # they read whole tensors, not index maps
 
     def operand(a: Node) -> None:
         view = a
@@ -224,7 +224,7 @@ def _kind(node: Node, body, inputs, target) -> tuple[str, str]:
     dtype the kernel touches; library calls; ATen for the rest."""
     if node.op == "extern":
         return "aten", node.attr("target").reason
-    if node.group == "library":
+    if node.group in ("library", "collective"):
         return "library", ""
     dtypes = {n.dtype for n in body} | {i.dtype for i in inputs}
     if not dtypes <= target.dtypes:
@@ -239,7 +239,8 @@ def _estimate(kernel: Kernel, profile: DeviceProfile) -> None:
         math.prod(i.shape) * itemsize(i.dtype) for i in kernel.inputs)
     kernel.flops = sum(op_flops(n.op, n.shape, [a.shape for a in n.args]) for n in kernel.ops
                        if n.group not in ("layout", "extern", "boundary", "source"))
-    kernel.seconds = kernel_cost(kernel.flops, kernel.bytes, profile, library=kernel.kind == "library")
+    kernel.seconds = kernel_cost(kernel.flops, kernel.bytes, profile, library=kernel.kind == "library",
+                                 link=node.group == "collective")
 
 
 class PlanError(CodegenError):

@@ -53,6 +53,8 @@ class Executable:
         if cuda_graphs and target.device == "cuda":
             user = [id(n) for n in self.graph.inputs if n.attr("name") not in self.graph.bound]
             self.graphed = GraphedRunner(self._run, user)
+            if any(k.output.group == "collective" for k in plan.kernels):
+                self.graphed.disabled = "the program has collectives, which are not recorded into CUDA graphs"
 
     @torch.no_grad()  # compiled programs are inference-only: no autograd graph is recorded
     def __call__(self, *args):

@@ -140,3 +140,49 @@ def test_fsdp2_sharded_model_compiled_matches_eager_fsdp2(name):
 def test_compiling_ddp_itself_runs_eagerly_as_dynamo_skips_ddp():
     results = _run("mlp", "compiled_ddp")
     assert all(plans == 0 and diff == 0.0 for diff, plans in results.values()), results
+
+
+def _collectives_rank(rank: int, init: str, results) -> None:
+    import warnings
+    import torch.distributed._functional_collectives as funcol
+    import egraph_compiler as egc
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
+    try:
+        def program(x, w):
+            y = funcol.all_reduce(torch.relu(x @ w), "sum", dist.group.WORLD)
+            z = funcol.all_gather_tensor(y * 2, 0, dist.group.WORLD)
+            r = funcol.reduce_scatter_tensor(z.exp(), "sum", 0, dist.group.WORLD)
+            return y * 2 + 1, z.sum(0), r - 1
+        torch.manual_seed(rank)
+        x, w = torch.randn(4, 8), torch.randn(8, 8)
+        egc.last_plans(clear=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no fallback warning: collectives are ops of the vocabulary
+            got = torch.compile(program, backend="egraph")(x, w)
+        want = program(x, w)
+        plan = egc.last_plans()[-1]
+        calls = [(k.output.op, k.kind, k.seconds) for k in plan.kernels if k.output.group == "collective"]
+        link = [k.bytes / plan.profile.link_bandwidth + plan.profile.launch for k in plan.kernels
+                if k.output.group == "collective"]
+        results[rank] = ([((a - b).abs() / (b.abs() + 1e-6)).max().item() for a, b in zip(got, want)],
+                         calls, link, plan.fallbacks)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_functional_collectives_are_library_calls_of_the_plan():
+    """all_reduce, all_gather, reduce_scatter and their waits inside a captured graph:
+    library kernels of the plan (no ATen fallback, no warning), charged their bytes over
+    the link, nothing fused across them, results as eager's on both ranks."""
+    with tempfile.TemporaryDirectory() as tmp:
+        results = mp.Manager().dict()
+        mp.spawn(_collectives_rank, args=(f"file://{tmp}/rendezvous", results), nprocs=WORLD)
+        results = dict(results)
+    assert sorted(results) == list(range(WORLD))
+    for rank, (errors, calls, link, fallbacks) in results.items():
+        assert max(errors) < 1e-5, (rank, errors)
+        assert fallbacks == []
+        assert [op for op, _, _ in calls] == ["all_reduce", "wait_tensor", "all_gather", "wait_tensor",
+                                              "reduce_scatter", "wait_tensor"]
+        assert all(kind == "library" for _, kind, _ in calls)
+        assert [s for _, _, s in calls] == pytest.approx(link)

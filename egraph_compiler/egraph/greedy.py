@@ -74,7 +74,7 @@ class KernelExtractor:
         loads, needed, inlined = 0.0, {}, frozenset()
         for child in en.children:
             if child in self.inline_of:
-                if group in ("library", "extern"):
+                if group in ops.CALLS:
                     return None
                 option = self.inl.get(self.inline_of[child])
                 if option is None:
@@ -119,7 +119,8 @@ class KernelExtractor:
         elif group == "layout" and not has_inline:
             cost = VIEW_COST  # a view of a materialised tensor
         else:
-            cost = kernel_cost(flops, loads + self.bytes(class_id), self.profile, library=group == "library")
+            cost = kernel_cost(flops, loads + self.bytes(class_id), self.profile, library=group == "library",
+                               link=group == "collective")
         needed = {**needed, class_id: cost}
         total = sum(needed.values())
         old = self.mat.get(class_id)

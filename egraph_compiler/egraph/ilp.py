@@ -43,7 +43,7 @@ def node_cost(ex: KernelExtractor, class_id: str, en: ENode, use: str) -> float 
     """The additive cost of choosing `en` for `use`, or None when not allowed."""
     group = ops.group_of(en.op)
     inline_children = [c for c in en.children if c in ex.inline_of]
-    if inline_children and group in ("library", "extern"):
+    if inline_children and group in ops.CALLS:
         return None
     if use == INL and (group not in INLINE_GROUPS or en.op == "extern"):
         return None
@@ -60,7 +60,8 @@ def node_cost(ex: KernelExtractor, class_id: str, en: ENode, use: str) -> float 
     if use == MAT and group == "layout" and not inline_children:
         return VIEW_COST
     if use == MAT:
-        return additive_kernel_cost(flops, loads, ex.bytes(class_id), profile, library=group == "library")
+        return additive_kernel_cost(flops, loads, ex.bytes(class_id), profile, library=group == "library",
+                                    link=group == "collective")
     return inlined_cost(flops, loads, profile)
 
 
