@@ -87,14 +87,21 @@ def run_pipeline(fn, example_inputs, options: Options):
     levels = Levels()
     graph, eclasses, report, rules = build_egraph(fn, example_inputs, options, levels)
 
-    profile = profile_for(options.profile or os.environ.get(PROFILE_ENV) or
-                          ("h200" if target.device == "cuda" else "cpu"))
+    profile = profile_of(options, target)
     clock = time.perf_counter()
     plan = _extract(eclasses, graph, profile, options, target)
     plan.rules_fired = dict(report.matches)
     levels.timings["extract"] = time.perf_counter() - clock
     _warn_fallbacks(plan)
 
+    executable = lower_and_load(plan, rules, target, options, levels)
+    if os.environ.get(DEBUG_ENV):
+        print(levels, file=sys.stderr)
+    return executable, plan, report, levels
+
+
+def lower_and_load(plan: Plan, rules, target, options: Options, levels: Levels) -> Executable:
+    """plan -> loop IR -> source -> a loaded Executable (levels get the texts)."""
     buffer_names = _buffer_names(plan.graph, plan)
     loops = [lower_kernel(k, buffer_names) for k in plan.kernels if k.kind == "generated"]
     loops, followers = fuse_siblings(plan, loops, rules)
@@ -108,9 +115,13 @@ def run_pipeline(fn, example_inputs, options: Options):
         executable = Executable(plan, levels.source, loops, buffer_names, target, cuda_graphs=options.cuda_graphs)
     levels.wrapper = executable.wrapper.source
     levels.timings["load"] = time.perf_counter() - clock
-    if os.environ.get(DEBUG_ENV):
-        print(levels, file=sys.stderr)
-    return executable, plan, report, levels
+    return executable
+
+
+def profile_of(options: Options, target):
+    """The cost model's device profile: the option, else EGC_PROFILE, else the target's."""
+    return profile_for(options.profile or os.environ.get(PROFILE_ENV) or
+                       ("h200" if target.device == "cuda" else "cpu"))
 
 
 def build_egraph(fn, example_inputs, options: Options, levels: Levels | None = None):

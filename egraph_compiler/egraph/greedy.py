@@ -41,8 +41,9 @@ class Option:
 
 
 class KernelExtractor:
-    def __init__(self, eg: EClassGraph, profile: DeviceProfile):
+    def __init__(self, eg: EClassGraph, profile: DeviceProfile, banned: frozenset = frozenset()):
         self.eg, self.profile = eg, profile
+        self.banned = banned  # id()s of e-nodes not to choose (alternative plans)
         self.inline_of = {c: n.children[0] for c, nodes in eg.classes.items() for n in nodes if n.op == "inline"}
         self.class_of = {id(n): c for c, nodes in eg.classes.items() for n in nodes}
         self.mat: dict[str, Option] = {}
@@ -60,6 +61,8 @@ class KernelExtractor:
                 if class_id in self.inline_of or class_id not in self.eg.shape:
                     continue
                 for en in enodes:
+                    if id(en) in self.banned:
+                        continue
                     body = self._body(en)
                     if body is None:
                         continue
@@ -136,14 +139,35 @@ class KernelExtractor:
         return sum(used.values())
 
 
-def extract_kernels(eg: EClassGraph, graph: Graph, profile: DeviceProfile) -> tuple[Graph, float]:
-    """The cheapest program, with `inline` nodes marking fused operands."""
-    extractor = KernelExtractor(eg, profile)
+def extract_kernels(eg: EClassGraph, graph: Graph, profile: DeviceProfile,
+                    banned: frozenset = frozenset()) -> tuple[Graph, float]:
+    """The cheapest program, with `inline` nodes marking fused operands (without
+    the `banned` e-nodes: UnsoundRuleError where that leaves an output no term)."""
+    extractor = KernelExtractor(eg, profile, banned)
     extractor.run()
     missing = [r for r in eg.roots if r not in extractor.mat]
     if missing:
         raise UnsoundRuleError(f"no finite term for output class(es) {missing}")
     return build(eg, extractor, graph), extractor.cost_of(eg.roots)
+
+
+def chosen_enodes(eg: EClassGraph, profile: DeviceProfile, banned: frozenset = frozenset()) -> list[ENode]:
+    """The e-nodes the cheapest program uses (each once, outputs first)."""
+    extractor = KernelExtractor(eg, profile, banned)
+    extractor.run()
+    seen, out, stack = set(), [], [(r, "mat") for r in eg.roots]
+    while stack:
+        class_id, mode = stack.pop()
+        if (class_id, mode) in seen:
+            continue
+        seen.add((class_id, mode))
+        option = (extractor.mat if mode == "mat" else extractor.inl).get(class_id)
+        if option is None:
+            continue
+        out.append(option.node)
+        for child in option.node.children:
+            stack.append((extractor.inline_of[child], "inl") if child in extractor.inline_of else (child, "mat"))
+    return out
 
 
 def build(eg: EClassGraph, extractor: KernelExtractor, graph: Graph) -> Graph:
