@@ -7,7 +7,7 @@ from __future__ import annotations
 import ctypes
 
 from egraph_compiler.cache import build_shared_object
-from egraph_compiler.loopir import STASH, LoopKernel
+from egraph_compiler.loopir import STASH, Acc, LoopKernel, contains
 
 from .walker import Target, float_literal, render_expr, render_index
 
@@ -122,18 +122,22 @@ def render_kernel(k: LoopKernel) -> str:
     lines.append(f"  for (int64_t o = 0; o < {k.outer}; ++o) {{")
     if k.stash_last:
         lines.append(f"    alignas(64) float {STASH}[{k.inner}];")
-    for i, red in enumerate(k.reductions):
-        init, pragma, step, finish = _REDUCTIONS[red.combiner]
-        body = _expr(red.body, types)
-        lines.append(init.format(acc=red.acc))
-        step = step.format(acc=red.acc, v=body)
-        if k.stash_last and i == len(k.reductions) - 1:
-            stash = f"{STASH}[r]"
-            step = f"{{ const float s = {body}; {stash} = s; {_REDUCTIONS[red.combiner][2].format(acc=red.acc, v='s')[2:-2]} }}"
-        lines.append(pragma.format(acc=red.acc))
-        lines.append(f"    for (int64_t r = 0; r < {k.inner}; ++r) " + step)
-        if finish:
-            lines.append(finish.format(acc=red.acc))
+    for group in _passes(k):
+        steps, clauses = [], []
+        for i, red in group:
+            init, pragma, step, _ = _REDUCTIONS[red.combiner]
+            body = _expr(red.body, types)
+            lines.append(init.format(acc=red.acc))
+            step = step.format(acc=red.acc, v=body)[2:-2]
+            if k.stash_last and i == len(k.reductions) - 1:
+                step = f"const float s = {body}; {STASH}[r] = s; " + \
+                    _REDUCTIONS[red.combiner][2].format(acc=red.acc, v="s")[2:-2]
+            steps.append(step)
+            clauses.append(pragma.format(acc=red.acc).split("simd ", 1)[1])
+        lines.append("    #pragma omp simd " + " ".join(clauses))
+        lines.append(f"    for (int64_t r = 0; r < {k.inner}; ++r) {{ " + " ".join(steps) + " }")
+        lines += [_REDUCTIONS[red.combiner][3].format(acc=red.acc) for _, red in group
+                  if _REDUCTIONS[red.combiner][3]]
     stores = [(k.store_param, k.store_index, k.value, k.store_in_inner)] + list(k.extra_stores)
     inner = " ".join(_store(p, i, v, types) for p, i, v, in_inner in stores if in_inner)
     if inner:
@@ -142,6 +146,23 @@ def render_kernel(k: LoopKernel) -> str:
     lines += [f"    {_store(p, i, v, types)}" for p, i, v, in_inner in stores if not in_inner]
     lines += ["  }", "}"]
     return "\n".join(lines)
+
+
+def _passes(k: LoopKernel) -> list[list]:
+    """The reductions grouped into loops: consecutive sums that do not read each
+    other's results share one pass over the row (layer_norm's centred sum and sum
+    of squares); a max, and the reduction that fills the stash, get a loop of their own."""
+    groups: list[list] = []
+    for i, red in enumerate(k.reductions):
+        last = groups[-1] if groups else None
+        alone = red.combiner != "sum" or (k.stash_last and i == len(k.reductions) - 1)
+        if last and not alone and all(r.combiner == "sum" and not contains(red.body, Acc(r.acc)) for _, r in last):
+            last.append((i, red))
+        else:
+            groups.append([(i, red)])
+        if alone:
+            groups.append([])  # nothing joins it
+    return [g for g in groups if g]
 
 
 def _store(param, index, value, types) -> str:

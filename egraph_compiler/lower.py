@@ -40,12 +40,16 @@ def expand_row(node: Node) -> Node:
     dims = tuple(range(-node.attr("ndim"), 0))
     eps = const(node.attr("eps"))
     if node.op == "layer_norm":
-        # corrected two-pass mean: the mean of `x - mean(x)` is mean(x)'s own rounding error, taken
+        # corrected two-pass mean: the mean e of d = x - mean(x) is mean(x)'s own rounding error, taken
         # back out.  A constant row centres to exactly 0 (as torch's Welford moments do; 1/sqrt(var + eps)
-        # magnifies any residue), and a long row's centred values sum to ~0 whatever its mean's size
+        # magnifies any residue), and a long row's centred values sum to ~0 whatever its mean's size.
+        # var = mean((d - e)^2) = mean(d^2) - e^2, so e and mean(d^2) are independent sums that the C++
+        # renderer takes in one pass over the row (two passes in all, not three)
         first_pass = _inl("sub", x, _inl("mean", x, dims=dims, keepdim=True))
-        centred = _inl("sub", first_pass, _inl("mean", first_pass, dims=dims, keepdim=True))
-        var = _inl("mean", _inl("mul", centred, centred), dims=dims, keepdim=True)
+        error = _inl("mean", first_pass, dims=dims, keepdim=True)
+        centred = _inl("sub", first_pass, error)
+        var = _inl("sub", _inl("mean", _inl("mul", first_pass, first_pass), dims=dims, keepdim=True),
+                   _inl("mul", error, error))
         normed = _inl("mul", centred, _inl("rsqrt", _inl("add", var, eps)))
         return Node.make("add", (_inl("mul", normed, node.args[1]), node.args[2]))
     if node.op == "rms_norm":
