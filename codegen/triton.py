@@ -8,7 +8,8 @@ fits (persistent: each reduction is one `tl.sum`/`tl.max`, and the stashed
 body is a value reused by the store, so the input is read once); longer rows
 loop over RBLOCK chunks.  Arithmetic runs in float32; half-precision buffers
 are widened when loaded and rounded when stored.  This is the only module that
-imports triton; CPU tensors run under the Triton interpreter (TRITON_INTERPRET=1).
+imports triton (besides triton_cache.py, which Triton loads as its cache manager); CPU
+tensors run under the Triton interpreter (TRITON_INTERPRET=1).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import os
 import sys
 from dataclasses import replace
 
+from egraph_compiler import remote
 from egraph_compiler.cache import cache_dir
 from egraph_compiler.errors import CodegenError, EgraphCompilerError
 from egraph_compiler.loopir import STASH, Affine, Load, LoopKernel, substitute
@@ -285,6 +287,7 @@ for name, dtypes, xblock, rblock, warps in specs:
 def load(source: str, kernels: list[LoopKernel]):
     """Write the module into the cache (Triton reads a kernel's source from its
     file), import it, and wrap each kernel as a launch over its grid."""
+    share_triton_cache()
     compiled_now = not _module_path(source).exists()
     module = _import(source)
     if (compiled_now and len(kernels) >= WARM_MIN_KERNELS and os.environ.get(WORKERS_ENV, "8") != "0"
@@ -314,6 +317,7 @@ def compile_for_gpu(modules: list[tuple[str, list[LoopKernel]]], arch: int = 90)
     process); raises CodegenError with the compiler's message and the module."""
     import json
     import subprocess
+    share_triton_cache()
     specs = []
     for source, kernels in modules:
         path = _module_path(source)
@@ -363,3 +367,13 @@ def make_target(name: str, device: str) -> Target:
                 "in this process without it: set TRITON_INTERPRET=1 in the environment before starting Python")
         os.environ.setdefault("TRITON_INTERPRET", "1")
     return replace(TABLE, name=name, device=device)
+
+
+
+def share_triton_cache() -> None:
+    """With EGC_REMOTE_CACHE set, Triton's cache manager (TRITON_CACHE_MANAGER, unless
+    the user set one) becomes triton_cache.SharedCacheManager, for this process and the
+    compile workers it starts: every Triton kernel compiled here, Inductor's included,
+    is stored in the shared cache, and one compiled elsewhere is fetched instead."""
+    if os.environ.get(remote.URL_ENV) and not os.environ.get("TRITON_CACHE_MANAGER"):
+        os.environ["TRITON_CACHE_MANAGER"] = "egraph_compiler.codegen.triton_cache:SharedCacheManager"

@@ -1,6 +1,6 @@
-"""The shared compile cache: built artifacts (today: the generated C++ shared
-objects) stored in Redis by content hash, with the local disk cache (cache.py)
-in front.  A machine that compiles a program another machine compiled before
+"""The shared compile cache: built artifacts (the generated C++ shared objects,
+and Triton's compiled kernels: codegen/triton.py's SharedCacheManager) stored in
+Redis by content hash, with the local disk caches (cache.py, Triton's) in front.  A machine that compiles a program another machine compiled before
 fetches the library instead of running the C++ compiler.
 
 Where: `EGC_REMOTE_CACHE=redis://HOST:PORT/DB`, or `compile(..., cache=URL)`
@@ -102,9 +102,11 @@ def _client(address: str) -> redis.Redis:
     return _clients[address]
 
 
-def artifact_key(kind: str, parts: list[str]) -> str:
-    """The key of an artifact: its kind, then a hash of everything that shapes it."""
-    text = "\0".join([f"format={FORMAT}", kind, *parts, *_machine()])
+def artifact_key(kind: str, parts: list[str], machine: bool = True) -> str:
+    """The key of an artifact: its kind, then a hash of everything that shapes it
+    (with `machine`, this machine's architecture and CPU model too: code built with
+    -march=native; a Triton kernel's own key already names its GPU target)."""
+    text = "\0".join([f"format={FORMAT}", kind, *parts, *(_machine() if machine else [])])
     return PREFIX + kind + ":" + hashlib.sha256(text.encode()).hexdigest()
 
 

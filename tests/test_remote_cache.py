@@ -220,3 +220,38 @@ def test_server_that_never_answers_times_out(tmp_path, monkeypatch):
             conn.close()
         listener.close()
         remote.reset()
+
+
+def test_triton_kernels_compiled_on_one_machine_are_fetched_on_another(shared, tmp_path, monkeypatch):
+    """Triton's compiled kernels (for an H200, compiled here without a GPU) go through
+    the shared cache: a second "machine" with an empty Triton cache fetches every file
+    and compiles nothing (Redis receives no SET from it)."""
+    from egraph_compiler.codegen.triton import compile_for_gpu
+    from egraph_compiler import workloads
+    modules = []
+    for name in ("softmax", "ln_relu"):
+        fn, inputs = workloads.make(name, size="test")
+        compiled = egc.compile(fn, inputs, target="triton", cache=False)
+        modules.append((compiled.source, compiled.loop_kernels))
+    monkeypatch.setenv("TRITON_CACHE_MANAGER", "")  # unset: share_triton_cache fills it in
+    client = redis_py.Redis.from_url(shared)
+
+    def sets() -> int:
+        return int(client.info("commandstats").get("cmdstat_set", {}).get("calls", 0))
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton-a"))
+    compile_for_gpu(modules)
+    assert os.environ["TRITON_CACHE_MANAGER"].endswith("triton_cache:SharedCacheManager")
+    stored = client.keys(remote.PREFIX + "triton:*")
+    assert len(stored) >= 2 * len(modules) and sets() >= len(stored)
+    before = sets()
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton-b"))  # machine B: nothing compiled here
+    compile_for_gpu(modules)
+    assert sets() == before, "machine B compiled (and stored) kernels instead of fetching them"
+    cubins = sorted(p.name for p in (tmp_path / "triton-a").rglob("*.cubin"))
+    assert len(cubins) >= len(modules) and sorted(p.name for p in (tmp_path / "triton-b").rglob("*.cubin")) == cubins
+    # a damaged entry is refused in B's place: C rebuilds that file and stores it again
+    victim = next(k for k in stored if k.decode())
+    client.set(victim, b"garbage")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton-c"))
+    compile_for_gpu(modules)
+    assert remote.unpack(victim.decode(), client.get(victim))[0] is not None
