@@ -97,8 +97,12 @@ def url() -> str | None:
 
 def _client(address: str) -> redis.Redis:
     if address not in _clients:
-        _clients[address] = redis.Redis.from_url(address, socket_connect_timeout=CONNECT_TIMEOUT,
-                                                 socket_timeout=REPLY_TIMEOUT, retry_on_timeout=False)
+        try:
+            _clients[address] = redis.Redis.from_url(address, socket_connect_timeout=CONNECT_TIMEOUT,
+                                                     socket_timeout=REPLY_TIMEOUT, retry_on_timeout=False)
+        except ValueError as exc:  # a malformed URL: the user's mistake, said plainly
+            raise EgraphCompilerError(f"the shared compile cache URL {address.split('@')[-1]!r} is not valid: "
+                                      f"{exc} (expected redis://HOST:PORT/DB)") from None
     return _clients[address]
 
 

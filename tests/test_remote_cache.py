@@ -102,6 +102,8 @@ def test_compile_option_overrides_the_environment(shared, monkeypatch):
     assert remote.stats.stores == 1 and remote.stats.misses == 1
     with pytest.raises(egc.EgraphCompilerError, match="redis://HOST:PORT/DB"):
         _compile_and_check(2.0, cache="localhost:6379")
+    with pytest.raises(egc.EgraphCompilerError, match="not valid: Port could not be cast"):
+        _compile_and_check(2.0, cache="redis://localhost:notaport/0")
 
 
 def _only_key(url: str) -> str:
