@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from benchmarks.common import interleaved
-from benchmarks.run import check, sync, time_block
+from benchmarks.run import TOL, check, sync, time_block
 from egraph_compiler import workloads
 from egraph_compiler.alternatives import alternatives
 
@@ -38,8 +38,9 @@ def measure(name: str, args) -> dict:
     fn, inputs = workloads.make(name, size=args.size, dtype=getattr(torch, args.dtype), device=args.device)
     plans = alternatives(fn, inputs, count=args.count, unsafe=name == "algebra", profile=args.profile)
     ref = fn(*inputs)
+    ref32 = fn(*[x.float() for x in inputs]) if args.dtype != "float32" else None  # bf16: judged as benchmarks.run
     for i, compiled in enumerate(plans):
-        problem = check(compiled(*inputs), ref, 1e-2 if args.dtype == "bfloat16" else 1e-3)
+        problem = check(compiled(*inputs), ref, TOL[getattr(torch, args.dtype)], ref32)
         if problem:
             raise SystemExit(f"{name}: plan {i} (estimate {compiled.plan.cost * 1e6:.1f}us) is wrong: {problem}")
     per_call = time_block(plans[0], inputs, 3, args.device)
@@ -52,7 +53,10 @@ def measure(name: str, args) -> dict:
                                                                                                "aten")),
              "estimated_us": c.plan.cost * 1e6, "measured_ms": ms[str(i)]} for i, c in enumerate(plans)]
     fastest = min(r["measured_ms"] for r in rows)
+    p = plans[0].plan.profile
     return {"workload": name, "plans": rows, "regret": rows[0]["measured_ms"] / fastest - 1,
+            "profile": f"{p.name}: {p.bandwidth / 1e9:.0f} GB/s, {p.flops / 1e9:.0f} GFLOP/s generated, "
+                       f"{p.library_flops / 1e9:.0f} GFLOP/s library, launch {p.launch * 1e6:.1f} us",
             "rank_correlation": spearman([r["estimated_us"] for r in rows], [r["measured_ms"] for r in rows])}
 
 
@@ -89,6 +93,7 @@ def main(argv=None) -> int:
     print(f"\n## regret, {args.size} size, {args.device}, {args.dtype}, profile {args.profile or 'default'} "
           f"(torch {torch.__version__})\n")
     print(markdown(results))
+    print("profile: " + "; ".join(sorted({r["profile"] for r in results})))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
