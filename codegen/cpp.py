@@ -96,6 +96,10 @@ _REDUCTIONS = {
     "sum": ("    double {acc}_d = 0.0;",
             "    #pragma omp simd reduction(+:{acc}_d)",
             "{{ {acc}_d += {v}; }}", "    const float {acc} = static_cast<float>({acc}_d);"),
+    # a mean: the double sum divided before rounding, so a constant row's mean is exact
+    "mean": ("    double {acc}_d = 0.0;",
+             "    #pragma omp simd reduction(+:{acc}_d)",
+             "{{ {acc}_d += {v}; }}", "    const float {acc} = static_cast<float>({acc}_d / {n}.0);"),
     "max": ("    float {acc} = -INFINITY; int {acc}_nan = 0;",
             "    #pragma omp simd reduction(max:{acc}) reduction(|:{acc}_nan)",
             "{{ const float v = {v}; {acc} = std::max({acc}, v); {acc}_nan |= (v != v); }}",
@@ -136,7 +140,7 @@ def render_kernel(k: LoopKernel) -> str:
             clauses.append(pragma.format(acc=red.acc).split("simd ", 1)[1])
         lines.append("    #pragma omp simd " + " ".join(clauses))
         lines.append(f"    for (int64_t r = 0; r < {k.inner}; ++r) {{ " + " ".join(steps) + " }")
-        lines += [_REDUCTIONS[red.combiner][3].format(acc=red.acc) for _, red in group
+        lines += [_REDUCTIONS[red.combiner][3].format(acc=red.acc, n=k.inner) for _, red in group
                   if _REDUCTIONS[red.combiner][3]]
     stores = [(k.store_param, k.store_index, k.value, k.store_in_inner)] + list(k.extra_stores)
     inner = " ".join(_store(p, i, v, types) for p, i, v, in_inner in stores if in_inner)
@@ -155,8 +159,8 @@ def _passes(k: LoopKernel) -> list[list]:
     groups: list[list] = []
     for i, red in enumerate(k.reductions):
         last = groups[-1] if groups else None
-        alone = red.combiner != "sum" or (k.stash_last and i == len(k.reductions) - 1)
-        if last and not alone and all(r.combiner == "sum" and not contains(red.body, Acc(r.acc)) for _, r in last):
+        alone = red.combiner == "max" or (k.stash_last and i == len(k.reductions) - 1)
+        if last and not alone and all(r.combiner != "max" and not contains(red.body, Acc(r.acc)) for _, r in last):
             last.append((i, red))
         else:
             groups.append([(i, red)])
@@ -180,5 +184,5 @@ TARGET = Target(
                  -1.0: "(1.0f / ({0}))"},
     floordiv="/", dtypes=frozenset({"float32", "float16", "bfloat16", "bool", "int64", "int32", "weak"}),
     dtype_names=CTYPES, int_const=lambda v: f"int64_t({v})",
-    render=render_program, kernel_source=render_kernel, load=load,
+    render=render_program, kernel_source=render_kernel, load=load, exact_mean=True,
 )

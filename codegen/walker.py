@@ -30,6 +30,7 @@ class Target:
     int_const: Callable[[int], str] = str  # an integer literal (in integer arithmetic and comparisons)
     render: Callable = None  # loop kernels -> the program's source
     kernel_source: Callable = None  # one loop kernel -> its source alone (reports show it per kernel)
+    exact_mean: bool = False  # sums in double, a mean divided before rounding: lowering's `mean` reductions
     # (source, loop kernels) -> ({kernel name: callable over torch tensors, inputs then outputs}, compiled_now)
     load: Callable = None
 

@@ -157,7 +157,7 @@ class Acc:
 @dataclass(frozen=True)
 class Reduction:
     acc: str
-    combiner: str  # sum | max
+    combiner: str  # sum | max | mean (a sum divided by the loop's length in double: C++ only)
     body: object
 
 

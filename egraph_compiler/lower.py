@@ -27,8 +27,10 @@ def _inl(op, *args, **attrs) -> Node:
     return Node.make("inline", (Node.make(op, args, attrs),))
 
 
-def expand_row(node: Node) -> Node:
-    """The primitive definition of a row composite (operand edges kept as they are)."""
+def expand_row(node: Node, exact_mean: bool = False) -> Node:
+    """The primitive definition of a row composite (operand edges kept as they are).
+    `exact_mean`: the target divides a mean's double-precision sum before rounding
+    it (C++), so a constant row's mean is exact and layer_norm needs no correction."""
     x = node.args[0]
     if node.op in ("softmax", "log_softmax"):
         d = (node.attr("dim"),)
@@ -46,6 +48,10 @@ def expand_row(node: Node) -> Node:
         # var = mean((d - e)^2) = mean(d^2) - e^2, so e and mean(d^2) are independent sums that the C++
         # renderer takes in one pass over the row (two passes in all, not three)
         first_pass = _inl("sub", x, _inl("mean", x, dims=dims, keepdim=True))
+        if exact_mean:  # the mean is the correctly rounded mean of the row: no residue to take out
+            var = _inl("mean", _inl("mul", first_pass, first_pass), dims=dims, keepdim=True)
+            normed = _inl("mul", first_pass, _inl("rsqrt", _inl("add", var, eps)))
+            return Node.make("add", (_inl("mul", normed, node.args[1]), node.args[2]))
         error = _inl("mean", first_pass, dims=dims, keepdim=True)
         centred = _inl("sub", first_pass, error)
         var = _inl("sub", _inl("mean", _inl("mul", first_pass, first_pass), dims=dims, keepdim=True),
@@ -58,7 +64,7 @@ def expand_row(node: Node) -> Node:
     raise CodegenError(f"no row lowering for {node.op}")
 
 
-def expand_rows(root: Node, origin: dict[int, Node]) -> Node:
+def expand_rows(root: Node, origin: dict[int, Node], exact_mean: bool = False) -> Node:
     """The kernel tree with every computed row composite expanded; `origin`
     maps each node of the new tree to the node of `root`'s tree it stands for."""
     memo: dict[int, Node] = {}
@@ -77,7 +83,7 @@ def expand_rows(root: Node, origin: dict[int, Node]) -> Node:
         args = tuple(edge(a) for a in n.args)
         out = n if args == n.args else Node.make(n.op, args, n.a)
         if out.group == "row":
-            out = expand_row(out)
+            out = expand_row(out, exact_mean)
             for part in computed_nodes(out):
                 origin.setdefault(id(part), n)
         origin.setdefault(id(out), n)
@@ -110,11 +116,13 @@ def illegal_edges(root: Node) -> set[int]:
     return set()
 
 
-def lower_kernel(kernel: Kernel, buffer_names: dict[int, str]) -> LoopKernel:
+def lower_kernel(kernel: Kernel, buffer_names: dict[int, str], exact_mean: bool = False) -> LoopKernel:
+    """`exact_mean` (a target whose sums are double, Target.exact_mean): a mean is a
+    `mean` reduction, its sum divided in double before rounding (see expand_row)."""
     root = kernel.output
-    tree, domain, inner_dims = _layout(root)
+    tree, domain, inner_dims = _layout(root, exact_mean)
     reduce_root = tree.group == "reduction"
-    lowering = _Lowering(domain, inner_dims, buffer_names)
+    lowering = _Lowering(domain, inner_dims, buffer_names, exact_mean)
     if reduce_root:
         kept = [lowering.index[d] for d in range(len(domain)) if d not in _dims(tree) or tree.attr("keepdim")]
         value = lowering.compute(tree, kept)
@@ -130,7 +138,7 @@ def lower_kernel(kernel: Kernel, buffer_names: dict[int, str]) -> LoopKernel:
     return out
 
 
-def _layout(root: Node):
+def _layout(root: Node, exact_mean: bool = False):
     """(expanded tree, loop domain, inner dims) of the kernel rooted at `root`.
 
     Legality is a matter of index maps, not shapes: the tree is evaluated once
@@ -139,7 +147,7 @@ def _layout(root: Node):
     elements as the inner loop runs, at a row position that uses outer
     variables only.  Raises IllegalKernel naming the reductions that cannot."""
     origin: dict[int, Node] = {}
-    tree = expand_rows(root, origin)
+    tree = expand_rows(root, origin, exact_mean)
     if tree.group == "layout":  # a program output that is a view: copy it
         tree = Node.make("add", (tree, const(0.0)))
     domain = tuple(tree.args[0].shape if tree.group == "reduction" else tree.shape)
@@ -227,8 +235,8 @@ class _Lowering:
     is the probe of `_layout`: one variable per domain dim, and it records each
     reduction's row-position variables and element count in `found`."""
 
-    def __init__(self, domain, inner_dims, buffer_names):
-        self.buffer_names = buffer_names
+    def __init__(self, domain, inner_dims, buffer_names, exact_mean: bool = False):
+        self.buffer_names, self.exact_mean = buffer_names, exact_mean
         self.probing = inner_dims is None
         self.reductions: list[Reduction] = []
         self.found: list[tuple[Node, set, int]] = []
@@ -325,11 +333,15 @@ class _Lowering:
                 raise CodegenError(f"{node.op}: row position varies along the inner loop (an illegal fusion)")
             body = self.operand(node.args[0], full)  # nested reductions come first
             acc = Acc(f"acc{len(self.reductions)}")
-            self.reductions.append(Reduction(acc.name, "max" if node.op == "amax" else "sum", body))
+            exact = self.exact_mean and node.op == "mean"  # divided in double by the renderer
+            self.reductions.append(Reduction(acc.name, "max" if node.op == "amax" else "mean" if exact else "sum",
+                                             body))
             self._accs[key] = acc
         acc = self._accs[key]
+        if node.op != "mean" or self.exact_mean:
+            return acc
         # a true division, as torch's: `sum * (1/n)` rounds, and a constant row is then not centred exactly
-        return Call("div", (acc, Const(float(count))), node.dtype) if node.op == "mean" else acc
+        return Call("div", (acc, Const(float(count))), node.dtype)
 
 
 def _variables(index: Affine) -> set:

@@ -103,7 +103,7 @@ def run_pipeline(fn, example_inputs, options: Options):
 def lower_and_load(plan: Plan, rules, target, options: Options, levels: Levels) -> Executable:
     """plan -> loop IR -> source -> a loaded Executable (levels get the texts)."""
     buffer_names = _buffer_names(plan.graph, plan)
-    loops = [lower_kernel(k, buffer_names) for k in plan.kernels if k.kind == "generated"]
+    loops = [lower_kernel(k, buffer_names, target.exact_mean) for k in plan.kernels if k.kind == "generated"]
     loops, followers = fuse_siblings(plan, loops, rules)
     for kernel in plan.kernels:
         kernel.loop_nest = followers.get(kernel.name, "")

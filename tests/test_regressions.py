@@ -539,3 +539,16 @@ def test_affine_floordiv_and_mod_are_exact():
             for v in range(n2):
                 env, x = {"u": u, "v": v}, a * u + b * v + k
                 assert (value(e.floordiv(c), env), value(e.mod(c), env), value(split, env)) == (x // c, x % c, 3 * x)
+
+
+@pytest.mark.parametrize("target", ["cpu", "triton"])
+def test_layer_norm_of_constant_rows_gives_the_bias_exactly(target):
+    """A constant row (padding, a masked position) normalises to exactly 0, as torch's
+    does, at any magnitude and a row length that is not a power of two: C++ divides
+    the mean's double sum before rounding it, Triton takes the mean's residue back out."""
+    def fn(x, w, b):
+        return F.layer_norm(x, (1000,), w, b)
+    rows = torch.tensor([1234.567, -0.1, 3.0e5, 7.0]).unsqueeze(1).expand(4, 1000).contiguous()
+    w, b = torch.rand(1000) + 0.5, torch.randn(1000)
+    got = egc.compile(fn, [rows, w, b], target=target)(rows, w, b)
+    assert torch.equal(got, b.expand(4, 1000)) and torch.equal(fn(rows, w, b), b.expand(4, 1000))
