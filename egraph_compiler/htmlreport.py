@@ -92,17 +92,18 @@ def _pattern_ops(term) -> set[str]:
 
 
 def _kernel_detail(kernel, loop_text: str, source: str, profile, measured: float | None, where: str) -> str:
-    memory = kernel.bytes / profile.bandwidth
+    link = kernel.output.group == "collective"  # bytes over the link between processes
+    memory = kernel.bytes / (profile.link_bandwidth if link else profile.bandwidth)
     peak = profile.library_flops if kernel.kind == "library" else profile.flops
     compute = kernel.flops / peak
-    bound = "memory" if memory >= compute else "compute"
+    bound = "link" if link else "memory" if memory >= compute else "compute"
     rows = [("kind", kernel.kind + (f" (fallback: {kernel.reason})" if kernel.reason else "")),
             ("computes", " \u2192 ".join(n.op for n in kernel.ops if n.group != "boundary")),
             ("output", type_str(kernel.output)),
             ("reads", ", ".join(type_str(i) for i in kernel.inputs) or "nothing"),
             ("source line", where or "(none recorded)"),
             ("bytes moved", f"{kernel.bytes:,.0f}"), ("flops", f"{kernel.flops:,.0f}"),
-            ("roofline", f"{_us(max(memory, compute))} ({bound}-bound: memory {_us(memory)}, "
+            ("roofline", f"{_us(max(memory, compute))} ({bound}-bound: {'link' if link else 'memory'} {_us(memory)}, "
                          f"compute {_us(compute)} at {peak / 1e9:.0f} GFLOP/s)"),
             ("estimate", f"{_us(kernel.seconds)} (roofline + launch {_us(profile.launch)})"),
             ("measured", _us(measured) if measured is not None else "not measured (egc explain --measure)")]
