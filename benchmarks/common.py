@@ -27,6 +27,20 @@ def model_parser(doc: str, models: str, reps: int) -> argparse.ArgumentParser:
     return parser
 
 
+def workload_parser(doc: str, reps: int) -> argparse.ArgumentParser:
+    """The options the per-workload cost benchmarks take (cost_fidelity, regret)."""
+    from egraph_compiler import workloads
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--size", default="cpu", choices=["test", "cpu", "gpu"])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--profile", default=None, help="device profile (default: the target's)")
+    parser.add_argument("--workloads", default=",".join(workloads.NAMES))
+    parser.add_argument("--reps", type=int, default=reps)
+    parser.add_argument("--json", default=None)
+    return parser
+
+
 def interleaved(measure, variants: list[str], reps: int) -> dict[str, float]:
     """Median of `measure(variant)` (ms) over `reps` rounds; each round runs every
     variant once, starting from a different one (no variant always goes first)."""

@@ -14,7 +14,6 @@ the two numbers issue 10 sets targets for (>= 0.9 and <= 25%).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import statistics
@@ -24,6 +23,7 @@ import numpy as np
 import torch
 
 import egraph_compiler as egc
+from benchmarks.common import workload_parser
 from egraph_compiler import workloads
 
 
@@ -77,15 +77,7 @@ def markdown(rows: list[dict], summary: dict) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--size", default="cpu", choices=["test", "cpu", "gpu"])
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--profile", default=None, help="device profile (default: the target's)")
-    p.add_argument("--workloads", default=",".join(workloads.NAMES))
-    p.add_argument("--reps", type=int, default=7)
-    p.add_argument("--json", default=None)
-    args = p.parse_args(argv)
+    args = workload_parser(__doc__, reps=7).parse_args(argv)
     rows = []
     for name in args.workloads.split(","):
         print(f"[fidelity] {name} ...", file=sys.stderr, flush=True)

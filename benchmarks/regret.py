@@ -14,24 +14,21 @@ the clock does (Spearman).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
-import numpy as np
 import torch
 
-from benchmarks.common import interleaved
+from benchmarks.common import interleaved, workload_parser
+from benchmarks.cost_fidelity import fidelity
 from benchmarks.run import TOL, check, sync, time_block
 from egraph_compiler import workloads
 from egraph_compiler.alternatives import alternatives
 
 
-def spearman(a: list[float], b: list[float]) -> float:
-    if len(a) < 3:
-        return float("nan")
-    ra, rb = np.argsort(np.argsort(a)), np.argsort(np.argsort(b))
-    return float(np.corrcoef(ra, rb)[0, 1]) if ra.std() and rb.std() else float("nan")
+def spearman(estimated: list[float], measured: list[float]) -> float:
+    """Rank correlation of the plans' estimates and times (cost_fidelity's, ties averaged)."""
+    return fidelity([{"estimated_us": e, "measured_us": m} for e, m in zip(estimated, measured)])["spearman"]
 
 
 def measure(name: str, args) -> dict:
@@ -76,15 +73,8 @@ def markdown(results: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--size", default="cpu", choices=["test", "cpu", "gpu"])
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--profile", default=None, help="device profile (default: the target's)")
-    p.add_argument("--workloads", default=",".join(workloads.NAMES))
+    p = workload_parser(__doc__, reps=15)
     p.add_argument("--count", type=int, default=5)
-    p.add_argument("--reps", type=int, default=15)
-    p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     results = []
     for name in args.workloads.split(","):
