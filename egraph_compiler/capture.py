@@ -42,9 +42,11 @@ def export_aten(module: torch.nn.Module, example_inputs) -> torch.export.Exporte
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         # Strict (Dynamo) capture records the user's source lines; a graph that
-        # Dynamo already captured (torch.compile backend) must not re-enter Dynamo.
+        # Dynamo already captured (torch.compile backend) must not re-enter Dynamo,
+        # nor may any capture made while Dynamo compiles (a backend's own compile,
+        # such as the first CPU calibration: strict export there crashed the process).
         program = None
-        if not isinstance(fn, torch.fx.GraphModule):
+        if not isinstance(fn, torch.fx.GraphModule) and torch._guards.TracingContext.try_get() is None:
             try:
                 program = torch.export.export(module, tuple(example_inputs), strict=True)
             except Exception:

@@ -105,6 +105,37 @@ def test_torch_compile_backend():
     torch.testing.assert_close(compiled(x, w), block(x, w))
 
 
+FIRST_USE = """
+import torch, torch.nn.functional as F
+import egraph_compiler  # noqa: F401  (registers backend="egraph")
+from egraph_compiler import calibrate
+calibrate.UNSTABLE = float("inf")  # a busy machine must not skip the calibration under test
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+    def forward(self, x):
+        return torch.relu(F.layer_norm(self.lin(x), (16,))) * 2.0
+model, x = Block().eval(), torch.randn(4, 8, 16)
+with torch.no_grad():
+    torch.testing.assert_close(torch.compile(model, backend="egraph")(x), model(x))
+print("ok")
+"""
+
+
+def test_first_torch_compile_on_a_fresh_machine_calibrates_inside_dynamo(tmp_path):
+    """A user's first compile calibrates the CPU profile while Dynamo is compiling;
+    that calibration's own capture once re-entered Dynamo and crashed the process
+    (segfault).  A fresh process with an empty cache and the calibrated profile."""
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "EGC_PROFILE"} | {"EGC_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", FIRST_USE], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+    assert (tmp_path / "profiles.json").exists()  # it did calibrate, inside Dynamo's compile
+
+
 def test_example_runs_and_matches_eager():
     spec = importlib.util.spec_from_file_location("mlp_example", ROOT / "examples" / "mlp.py")
     module = importlib.util.module_from_spec(spec)
