@@ -76,6 +76,24 @@ def test_transformers_model_through_torch_compile(name):
     assert {f.split(" ")[0] for f in fallbacks} <= embeddings, fallbacks
 
 
+def test_a_deep_llama_matches_eager_at_every_layer():
+    """8 layers: a graph of 600+ nodes, where egglog's global names once collided and
+    layer 6's rotary embedding read sin for rotate_half(q) (logits off by 4e-3)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=8, hidden_size=64, num_attention_heads=4,
+                                         num_key_value_heads=2, intermediate_size=128, vocab_size=128,
+                                         use_cache=False)).eval()
+    ids = torch.randint(0, 128, (2, 16))
+    torch._dynamo.reset()
+    with torch.no_grad():
+        expected = model(ids, output_hidden_states=True)
+        got = torch.compile(model, backend="egraph")(ids, output_hidden_states=True)
+    for layer, (g, e) in enumerate(zip(got.hidden_states, expected.hidden_states)):
+        torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5, msg=lambda m: f"hidden state {layer}: {m}")
+    torch.testing.assert_close(got.logits, expected.logits, atol=1e-5, rtol=1e-5)
+
+
 def _hf_layers():
     from transformers.activations import GELUActivation, NewGELUActivation, SiLUActivation
     from transformers.models.gemma.modeling_gemma import GemmaRMSNorm

@@ -552,3 +552,45 @@ def test_layer_norm_of_constant_rows_gives_the_bias_exactly(target):
     w, b = torch.rand(1000) + 0.5, torch.randn(1000)
     got = egc.compile(fn, [rows, w, b], target=target)(rows, w, b)
     assert torch.equal(got, b.expand(4, 1000)) and torch.equal(fn(rows, w, b), b.expand(4, 1000))
+
+
+# ---- the e-graph holds the program that was sent ----
+
+def _egglog_name_collision(x):
+    """Node 37 read ten times, then `(let $n372 (Mul $n371 $n37))`: egglog 13.2 names
+    each use of a global by its name and a use counter, so `$n37`'s eleventh use
+    (counter 10) and `$n371`'s first (counter 0) were one variable, and the product
+    became `$n37 * $n37`.  An
+    8-layer LLaMA hit it in its rotary embedding (logits off by 4e-3)."""
+    h = x
+    for _ in range(37):
+        h = torch.neg(h)
+    a = h
+    for _ in range(9):
+        h = torch.neg(h) * a
+    for _ in range(316):
+        h = torch.neg(h)
+    return h * a
+
+
+@pytest.mark.parametrize("iter_limit", [0, 30])
+def test_egglog_global_names_never_collide(iter_limit):
+    x = torch.rand(8) + 0.5
+    same(egc.compile(_egglog_name_collision, [x], iter_limit=iter_limit), _egglog_name_collision, x)
+
+
+def test_an_egraph_that_is_not_the_program_sent_is_refused(monkeypatch):
+    """Where egglog's e-graph differs from the encoded program (an e-node with another
+    operand), compiling stops with an error naming it, instead of extracting a wrong plan."""
+    from egraph_compiler.egraph import egg
+    from egraph_compiler.errors import EgraphCompilerError
+    serialized = egg.EgglogSession.serialized
+
+    def corrupted(self):
+        data = serialized(self)
+        muls = [n for n in data["nodes"].values() if n["op"] == "Mul"]
+        muls[0]["children"][0] = muls[0]["children"][1]  # x * y read as y * y
+        return data
+    monkeypatch.setattr(egg.EgglogSession, "serialized", corrupted)
+    with pytest.raises(EgraphCompilerError, match="not the program that was sent"):
+        egc.compile(lambda x, y: torch.sin(x * y), [torch.randn(4), torch.randn(4)], iter_limit=0)

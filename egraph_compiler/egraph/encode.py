@@ -3,7 +3,7 @@
 One egglog constructor per op-table entry (`layer_norm` -> `LayerNorm`), with
 tensor operands first and attributes after, in op-table order.  Attribute
 sorts: int -> i64, float -> f64, bool -> bool, str -> String, ints -> an `Ints`
-cons list.  Graph outputs are bound to `$out<i>` so extraction finds its roots.
+cons list.  Graph outputs are bound to `$out<i>_` so extraction finds its roots.
 Rules compile to `rewrite` commands, one ruleset per group.
 """
 from __future__ import annotations
@@ -101,8 +101,20 @@ def literal(value, kind: str) -> str:
 
 
 def node_names(graph: Graph) -> dict[int, str]:
-    """Node id -> its egglog global, `$nK` in topological order."""
-    return {id(node): f"$n{k}" for k, node in enumerate(topo_order(graph.outputs))}
+    """Node id -> its egglog global, `$nK_` in topological order.
+
+    The trailing `_` matters: egglog 13.2 renames each use of a global to its
+    name followed by a per-name use counter, so the eleventh use of `$n37`
+    (counter 10) and the first of `$n371` (counter 0) were one variable, and
+    `(let $n372 (Mul $n371 $n37))` silently built `Mul($n37, $n37)` (a wrong
+    answer on an 8-layer LLaMA; fixed upstream in egglog's "Fix collisions").
+    No name here ends in a digit, so a name and a counter never spell another's."""
+    return {id(node): f"$n{k}_" for k, node in enumerate(topo_order(graph.outputs))}
+
+
+def output_name(i: int) -> str:
+    """The global bound to output i (ending in a non-digit: see node_names)."""
+    return f"$out{i}_"
 
 
 def encode_graph(graph: Graph) -> tuple[str, dict[int, str]]:
@@ -110,7 +122,7 @@ def encode_graph(graph: Graph) -> tuple[str, dict[int, str]]:
     names = node_names(graph)
     lines = [f"(let {names[id(node)]} {_node_term(node, names)})" for node in topo_order(graph.outputs)]
     for i, out in enumerate(graph.outputs):
-        lines.append(f"(let $out{i} {names[id(out)]})")
+        lines.append(f"(let {output_name(i)} {names[id(out)]})")
     return "\n".join(lines), names
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from .. import ops
 from ..errors import UnsoundRuleError
 from ..graph import WEAK, Graph, Node, result_dtype
+from .egg import EgglogError
 from .encode import OP_OF_CTOR
 
 
@@ -91,16 +92,35 @@ def load(data: dict, graph: Graph, names: dict[int, str] | None = None) -> EClas
     node_of_global = {names[id(n)]: n for n in graph.topo() if names and id(n) in names}
     where: dict[str, str] = {}
     original: dict[str, Node] = {}
+    class_of: dict[int, str] = {}  # captured node id -> its e-class
     for class_id, info in data["class_data"].items():
         for name in info.get("let", "").split(", "):
             if name.startswith("$out"):
-                roots[int(name[4:])] = class_id
+                roots[int(name[4:].rstrip("_"))] = class_id
             elif name in node_of_global:
                 node = node_of_global[name]
+                class_of[id(node)] = class_id
                 original.setdefault(class_id, node)
                 if id(node) in graph.where:
                     where.setdefault(class_id, graph.where[id(node)])
+    if names:
+        _check_faithful(graph, classes, class_of)
     return EClassGraph(classes, [roots[i] for i in range(len(roots))], where=where, original=original)
+
+
+def _check_faithful(graph: Graph, classes: dict[str, list[ENode]], class_of: dict[int, str]) -> None:
+    """Every captured node is in the e-graph as sent: its class holds an e-node
+    of its op over its operands' classes.  egglog 13.2 once bound a `let` to a
+    different term (see encode.node_names); a wrong e-graph would extract a
+    wrong program, so it is refused here, never compiled."""
+    for node in graph.topo():
+        if node.op == "input" or id(node) not in class_of:
+            continue
+        want = tuple(class_of.get(id(a)) for a in node.args)
+        if not any(en.op == node.op and en.children == want for en in classes.get(class_of[id(node)], ())):
+            found = [f"{en.op}{en.children}" for en in classes.get(class_of[id(node)], ())][:3]
+            raise EgglogError(f"egglog holds the captured {node.op} over classes {want} as {found}: "
+                              "the e-graph is not the program that was sent (an egglog bug); please report it")
 
 
 def infer_types(eg: EClassGraph, graph: Graph) -> None:
