@@ -17,6 +17,7 @@ only where rules put an `Inline` edge; nothing here decides fusion.
 """
 from __future__ import annotations
 
+import heapq
 import math
 import sys
 from dataclasses import dataclass, field, replace
@@ -54,20 +55,40 @@ class KernelExtractor:
         return math.prod(self.eg.shape[class_id]) * itemsize("float32" if dtype == WEAK else dtype)
 
     def run(self) -> None:
-        changed = True
-        while changed:
-            changed = False
-            for class_id, enodes in self.eg.classes.items():
-                if class_id in self.inline_of or class_id not in self.eg.shape:
+        """Sweeps over the e-nodes in class order until no option improves, as a
+        fixed point; an e-node is evaluated again only once an option it reads
+        has improved (its offers are a function of those options, and options
+        only improve, so the others would lose again).  An e-node whose input
+        improves later in the sweep is evaluated in the same sweep, an earlier
+        one in the next: the same choices as sweeping everything, without
+        re-costing 3,000 e-nodes ~140 times on a 16-layer model."""
+        order = [(class_id, en) for class_id, enodes in self.eg.classes.items()
+                 if class_id not in self.inline_of and class_id in self.eg.shape
+                 for en in enodes if id(en) not in self.banned]
+        readers: dict[str, list[int]] = {}  # class -> the e-nodes whose cost reads its options
+        for i, (_, en) in enumerate(order):
+            for child in dict.fromkeys(en.children):
+                readers.setdefault(self.inline_of.get(child, child), []).append(i)
+        sweep = list(range(len(order)))
+        while sweep:
+            queued, later = set(sweep), set()
+            heapq.heapify(sweep)
+            while sweep:
+                i = heapq.heappop(sweep)
+                class_id, en = order[i]
+                body = self._body(en)
+                if body is None:
                     continue
-                for en in enodes:
-                    if id(en) in self.banned:
-                        continue
-                    body = self._body(en)
-                    if body is None:
-                        continue
-                    changed |= self._offer_inline(class_id, en, body)
-                    changed |= self._offer_materialised(class_id, en, body)
+                improved = self._offer_inline(class_id, en, body)
+                improved |= self._offer_materialised(class_id, en, body)
+                if improved:
+                    for j in readers.get(class_id, ()):
+                        if j > i and j not in queued:
+                            queued.add(j)
+                            heapq.heappush(sweep, j)
+                        elif j <= i:
+                            later.add(j)
+            sweep = sorted(later)
 
     def _body(self, en: ENode):
         group = ops.group_of(en.op)
