@@ -48,7 +48,7 @@ from hypothesis import strategies as st
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-MODES = ("default", "zero", "int", "multi", "long")
+MODES = ("default", "zero", "int", "multi", "long", "deep")
 MAX_NUMEL = 4096  # per value; "long" mode (rows longer than a row kernel's stack stash) allows LONG_NUMEL
 LONG_NUMEL = 1 << 17
 _limit = MAX_NUMEL  # the limit of the program being generated
@@ -869,7 +869,9 @@ def generate(d: Drawer, mode: str = "default") -> Program:
     env = dict(zip([n for n, _, _ in inputs], make_inputs(inputs, seed)))
     ctx = _Ctx(d, mode, (B, R, C, 2), env)
     ctx.live = [Val(n, tuple(s), getattr(torch, t.split(":")[0])) for n, s, t in inputs]
-    for _ in range(d.integer(5, 30)):
+    # "deep": a few hundred steps, a real model's graph size (egglog's global names once
+    # collided only past ~370 nodes, which the short programs never reach)
+    for _ in range(d.integer(600, 1000) if mode == "deep" else d.integer(5, 30)):
         d.span()
         x = d.recent(ctx.live)
         d.choice(KINDS[x.kind])(ctx, x)

@@ -31,7 +31,7 @@ import sys
 import tempfile
 import time
 
-MODE_WEIGHTS = [("default", 7), ("zero", 1), ("int", 1), ("multi", 1), ("long", 1)]
+MODE_WEIGHTS = [("default", 7), ("zero", 1), ("int", 1), ("multi", 1), ("long", 1), ("deep", 1)]
 
 
 def _setup_env(cache_dir: str, omp_threads: int):

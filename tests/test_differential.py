@@ -99,7 +99,7 @@ def test_generator_covers_the_op_table_without_replacing_steps():
     and together they use every op kind the brief lists."""
     seen = []
     for mode in MODES:
-        for i in range(150):
+        for i in range(20 if mode == "deep" else 150):
             p = generate(ChoiceDrawer(rng=random.Random(f"{mode}{i}")), mode)
             assert p.fallbacks == 0, describe(p)
             seen.append(describe(p))
@@ -138,3 +138,10 @@ def test_most_programs_are_well_conditioned():
 def test_checker_runs_hand_written_programs():
     assert check_fn(lambda x: torch.softmax(x, -1) * 2, [torch.randn(3, 8)]).kind == "ok"
     assert isinstance(check_fn(lambda x: x.sum(0), [torch.randn(3, 8)]), Outcome)
+
+
+@fuzz_settings(max(SMALL // 6, 2))
+@given(programs("deep"))
+def test_random_programs_of_model_size(program):
+    """600-1,000 steps: graphs of several hundred nodes, as a real model's."""
+    run(program)
