@@ -6,14 +6,18 @@ literal, a view transforms the index (transpose swaps, slice offsets, reshape
 re-linearises, broadcasting drops or zeroes dims), and anything else is a load
 of a materialised buffer.  Each reduction becomes an inner loop whose scalar
 accumulator the rest of the body reads.  Row composites (softmax,
-layer_norm, ...) are first expanded into their primitive definitions below,
-so a row and its fused neighbours lower as one kernel.
+layer_norm, ...) are first expanded into their primitive definitions, taken
+from their `*_def` rules, so a row and its fused neighbours lower as one kernel.
 """
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 from typing import TYPE_CHECKING
 
+from . import ops
+from .dsl.evaluate import attr_value, op_attrs
+from .dsl.terms import Lit, Var
 from .errors import CodegenError
 from .graph import Node, computed_nodes, const, inline_edges
 from .loopir import STASH, Acc, Affine, Call, Const, Index, Load, LoopKernel, Param, Reduction, contains, substitute
@@ -22,46 +26,62 @@ if TYPE_CHECKING:
     from .plan import Kernel
 
 
-def _inl(op, *args, **attrs) -> Node:
-    """An intermediate of an expansion: computed inside the kernel."""
-    return Node.make("inline", (Node.make(op, args, attrs),))
+# The definition rule each row composite lowers from (rules/*.rules); targets whose means are
+# float32 sums (not Target.exact_mean) take layer_norm's corrected form from rules/lowering.rules.
+ROW_DEFINITIONS = {"softmax": "softmax_def", "log_softmax": "log_softmax_def", "rms_norm": "rms_norm_def",
+                   "layer_norm": "layer_norm_def"}
+FLOAT_SUM_DEFINITIONS = {"layer_norm": "layer_norm_centred"}
 
 
 def expand_row(node: Node, exact_mean: bool = False) -> Node:
-    """The primitive definition of a row composite (operand edges kept as they are).
-    `exact_mean`: the target divides a mean's double-precision sum before rounding
-    it (C++), so a constant row's mean is exact and layer_norm needs no correction."""
-    x = node.args[0]
-    if node.op in ("softmax", "log_softmax"):
-        d = (node.attr("dim"),)
-        shifted = _inl("sub", x, _inl("amax", x, dims=d, keepdim=True))
-        total = _inl("sum", _inl("exp", shifted), dims=d, keepdim=True)
-        if node.op == "softmax":
-            return Node.make("div", (_inl("exp", shifted), total))
-        return Node.make("sub", (shifted, _inl("log", total)))
-    dims = tuple(range(-node.attr("ndim"), 0))
-    eps = const(node.attr("eps"))
-    if node.op == "layer_norm":
-        # corrected two-pass mean: the mean e of d = x - mean(x) is mean(x)'s own rounding error, taken
-        # back out.  A constant row centres to exactly 0 (as torch's Welford moments do; 1/sqrt(var + eps)
-        # magnifies any residue), and a long row's centred values sum to ~0 whatever its mean's size.
-        # var = mean((d - e)^2) = mean(d^2) - e^2, so e and mean(d^2) are independent sums that the C++
-        # renderer takes in one pass over the row (two passes in all, not three)
-        first_pass = _inl("sub", x, _inl("mean", x, dims=dims, keepdim=True))
-        if exact_mean:  # the mean is the correctly rounded mean of the row: no residue to take out
-            var = _inl("mean", _inl("mul", first_pass, first_pass), dims=dims, keepdim=True)
-            normed = _inl("mul", first_pass, _inl("rsqrt", _inl("add", var, eps)))
-            return Node.make("add", (_inl("mul", normed, node.args[1]), node.args[2]))
-        error = _inl("mean", first_pass, dims=dims, keepdim=True)
-        centred = _inl("sub", first_pass, error)
-        var = _inl("sub", _inl("mean", _inl("mul", first_pass, first_pass), dims=dims, keepdim=True),
-                   _inl("mul", error, error))
-        normed = _inl("mul", centred, _inl("rsqrt", _inl("add", var, eps)))
-        return Node.make("add", (_inl("mul", normed, node.args[1]), node.args[2]))
-    if node.op == "rms_norm":
-        mean_square = _inl("mean", _inl("mul", x, x), dims=dims, keepdim=True)
-        return Node.make("mul", (_inl("mul", x, _inl("rsqrt", _inl("add", mean_square, eps))), node.args[1]))
-    raise CodegenError(f"no row lowering for {node.op}")
+    """The primitive form of a row composite, instantiated from its definition
+    rule (the right-hand side with the composite's operands and attributes; the
+    operand edges kept as they are, each intermediate an `inline` edge, so the
+    whole row computes in this kernel).  A norm over its last `ndim` dims reads
+    the rule's last dim (`[-1]`) as those dims.  `exact_mean`: the target divides
+    a mean's double-precision sum before rounding it (C++), so a constant row's
+    mean is exact and layer_norm needs no correction."""
+    name = (ROW_DEFINITIONS if exact_mean else ROW_DEFINITIONS | FLOAT_SUM_DEFINITIONS).get(node.op)
+    if name is None:
+        raise CodegenError(f"no row lowering for {node.op}")
+    rule = definition(name)
+    opdef = ops.get(node.op)
+    tensors = {var.name: operand for var, operand in zip(rule.lhs.args[:opdef.arity], node.args)}
+    attrs, dims = {}, (-1,)
+    for term, (attr, _) in zip(rule.lhs.args[opdef.arity:], opdef.attrs):
+        if isinstance(term, Var):
+            attrs[term.name] = node.attr(attr)
+        elif attr == "ndim":
+            dims = tuple(range(-node.attr("ndim"), 0))
+        elif term.value != node.attr(attr):
+            raise CodegenError(f"{name} does not define {node.op} with {attr}={node.attr(attr)!r}")
+    return _instantiate(rule.rhs, tensors, attrs, dims, root=True)
+
+
+def _instantiate(term, tensors: dict, attrs: dict, dims: tuple, root: bool = False) -> Node:
+    if isinstance(term, Var):
+        return tensors[term.name]
+    if isinstance(term, Lit):
+        return const(term.value)
+    if term.op == "const":
+        return const(attr_value(term.args[0], attrs))
+    opdef = ops.get(term.op)
+    operands = tuple(_instantiate(a, tensors, attrs, dims) for a in term.args[:opdef.arity])
+    values = op_attrs(term, attrs)
+    if values.get("dims") == (-1,):
+        values["dims"] = dims
+    node = Node.make(term.op, operands, values)
+    return node if root else Node.make("inline", (node,))
+
+
+@lru_cache(maxsize=None)
+def definition(name: str):
+    """A shipped rule by name (the definitions row composites lower from)."""
+    from .dsl.library import library_rules
+    for rule in library_rules():
+        if rule.name == name:
+            return rule
+    raise CodegenError(f"the rule library has no {name!r}, which lowering needs")
 
 
 def expand_rows(root: Node, origin: dict[int, Node], exact_mean: bool = False) -> Node:

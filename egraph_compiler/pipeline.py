@@ -16,7 +16,7 @@ from .codegen import get_target
 from . import capture as capture_mod
 from . import remote
 from .calibrate import profile_for
-from .dsl.library import check_unique, library_phases, library_rules, load_user_items, schedule, select
+from .dsl.library import LOWERING, check_unique, library_phases, library_rules, load_user_items, schedule, select
 from .dsl.parser import Phase
 from .dsl.trust import check_user_rules
 from .egraph import encode, extract, saturate
@@ -132,7 +132,7 @@ def build_egraph(fn, example_inputs, options: Options, levels: Levels | None = N
     levels.graph = str(graph)
     _check_externs(graph, options.strict)
     user = load_user_items(options.rules)
-    rules = library_rules() + [r for r in user if not isinstance(r, Phase)]
+    rules = [r for r in library_rules() if r.group != LOWERING] + [r for r in user if not isinstance(r, Phase)]
     check_unique(rules)
     if not options.trust_rules:
         check_user_rules(user)  # each user rule verified on tensors once (cached by its text)

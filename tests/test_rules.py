@@ -115,3 +115,38 @@ def test_library_schedule_runs_rewrites_before_fusion():
     report = egc.compile(fn, [torch.randn(4, 4)]).report
     groups = [p[0] for p in report.phases]
     assert "fusion" in groups[-1] and "algebra" in groups[0]
+
+
+@pytest.mark.parametrize("op, exact_mean, rule", [("softmax", True, "softmax_def"), ("log_softmax", False, "log_softmax_def"),
+                                                  ("rms_norm", False, "rms_norm_def"),
+                                                  ("layer_norm", True, "layer_norm_def"),
+                                                  ("layer_norm", False, "layer_norm_centred")])
+def test_row_composites_lower_from_their_definition_rules(op, exact_mean, rule):
+    """The lowering has no second copy of the math: a row composite's expansion is its
+    rule's right-hand side (the same ops, as many of each), on every target."""
+    from collections import Counter
+
+    from egraph_compiler import graph as G
+    from egraph_compiler.dsl.terms import Pat
+    from egraph_compiler.lower import definition, expand_row
+    x = G.input_node("x", (4, 8), "float32")
+    w, b = G.input_node("w", (8,), "float32"), G.input_node("b", (8,), "float32")
+    args = {"softmax": ((x,), {"dim": -1}), "log_softmax": ((x,), {"dim": -1}),
+            "rms_norm": ((x, w), {"ndim": 1, "eps": 1e-5}), "layer_norm": ((x, w, b), {"ndim": 1, "eps": 1e-5})}[op]
+    node = G.Node.make(op, *args)
+
+    def pattern_ops(term, seen):
+        if isinstance(term, Pat) and term.op != "const" and term not in seen:
+            seen.add(term)
+            yield term.op
+            for a in term.args:
+                yield from pattern_ops(a, seen)
+    want = Counter(pattern_ops(definition(rule).rhs, set()))
+    got = Counter(n.op for n in G.computed_nodes(expand_row(node, exact_mean)) if n.op not in ("inline", "const"))
+    assert got == want
+
+
+def test_lowering_definitions_never_run_in_saturation():
+    compiled = egc.compile(lambda x, w, b: torch.nn.functional.layer_norm(x, (8,), w, b),
+                           [torch.randn(4, 8), torch.randn(8), torch.randn(8)], target="triton")
+    assert "layer_norm_centred" not in compiled.plan.rules_fired and "layer_norm_centred" not in compiled.levels.egraph

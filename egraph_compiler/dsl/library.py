@@ -10,6 +10,9 @@ from ..errors import RuleError
 from .parser import FuseRule, Phase, Rule, parse_file, parse_rules
 
 
+LOWERING = "lowering"  # rules/lowering.rules: definitions lower.py instantiates, never run in saturation
+
+
 def library_dir() -> Path:
     try:
         path = Path(str(resources.files("egraph_compiler.rules")))
