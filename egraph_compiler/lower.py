@@ -12,11 +12,11 @@ from their `*_def` rules, so a row and its fused neighbours lower as one kernel.
 from __future__ import annotations
 
 import math
-from functools import lru_cache
 from typing import TYPE_CHECKING
 
 from . import ops
 from .dsl.evaluate import attr_value, op_attrs
+from .dsl.library import library_rule
 from .dsl.terms import Lit, Var
 from .errors import CodegenError
 from .graph import Node, computed_nodes, const, inline_edges
@@ -44,7 +44,7 @@ def expand_row(node: Node, exact_mean: bool = False) -> Node:
     name = (ROW_DEFINITIONS if exact_mean else ROW_DEFINITIONS | FLOAT_SUM_DEFINITIONS).get(node.op)
     if name is None:
         raise CodegenError(f"no row lowering for {node.op}")
-    rule = definition(name)
+    rule = library_rule(name)
     opdef = ops.get(node.op)
     tensors = {var.name: operand for var, operand in zip(rule.lhs.args[:opdef.arity], node.args)}
     attrs, dims = {}, (-1,)
@@ -72,16 +72,6 @@ def _instantiate(term, tensors: dict, attrs: dict, dims: tuple, root: bool = Fal
         values["dims"] = dims
     node = Node.make(term.op, operands, values)
     return node if root else Node.make("inline", (node,))
-
-
-@lru_cache(maxsize=None)
-def definition(name: str):
-    """A shipped rule by name (the definitions row composites lower from)."""
-    from .dsl.library import library_rules
-    for rule in library_rules():
-        if rule.name == name:
-            return rule
-    raise CodegenError(f"the rule library has no {name!r}, which lowering needs")
 
 
 def expand_rows(root: Node, origin: dict[int, Node], exact_mean: bool = False) -> Node:

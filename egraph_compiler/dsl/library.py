@@ -40,6 +40,14 @@ def library_rules() -> list[Rule]:
     return [r for r in _library_items() if not isinstance(r, Phase)]
 
 
+def library_rule(name: str) -> Rule:
+    """A shipped rule by name (lowering instantiates the row composites' definitions)."""
+    for rule in library_rules():
+        if rule.name == name:
+            return rule
+    raise RuleError(f"the rule library has no rule {name!r}", str(library_dir()), 0, 0, "")
+
+
 def library_phases() -> list[Phase]:
     """The shipped schedule (`phase` statements, in file order)."""
     return [p for p in _library_items() if isinstance(p, Phase)]
