@@ -5,7 +5,7 @@ import os
 
 import torch
 
-from .capture import bind_sizes
+from .capture import bind_sizes, scalar_slots
 from .errors import InputError
 from .pipeline import REPORT_ENV, Levels, Options, run_pipeline
 
@@ -201,20 +201,23 @@ def dynamo_backend(gm, example_inputs, **kwargs):
 
 class _PerSize:
     """A Dynamo graph, compiled for each distinct (shape, dtype, device) of its
-    tensor arguments and each value of its size arguments (SymInts at capture)."""
+    tensor arguments and each value of its size arguments (SymInts at capture)
+    and of its float arguments (a Python float whose value changed between
+    calls, which Dynamo passes as a 0-d tensor read by `.item()`)."""
     LIMIT = 16  # sizes kept; more evict the least recently used
 
     def __init__(self, gm, kwargs):
         self.gm, self.kwargs, self.programs, self.compiled = gm, kwargs, {}, None
+        self.scalars = scalar_slots(gm)
 
-    @staticmethod
-    def _key(args) -> tuple:
-        return tuple((tuple(a.shape), a.dtype, a.device) if isinstance(a, torch.Tensor) else (type(a), a)
-                     for a in args)
+    def _key(self, args) -> tuple:
+        return tuple(("item", a.item()) if i in self.scalars else
+                     (tuple(a.shape), a.dtype, a.device) if isinstance(a, torch.Tensor) else (type(a), a)
+                     for i, a in enumerate(args))
 
     def compile(self, args: list):
-        slots = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
-        gm = self.gm if len(slots) == len(args) else bind_sizes(self.gm, args)
+        slots = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and i not in self.scalars]
+        gm = self.gm if len(slots) == len(args) else bind_sizes(self.gm, args, self.scalars)
         compiled = compile(gm, [args[i] for i in slots], **self.kwargs)
         self.programs[self._key(args)] = (compiled, slots)
         while len(self.programs) > self.LIMIT:

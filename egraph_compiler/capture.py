@@ -52,8 +52,9 @@ def export_aten(module: torch.nn.Module, example_inputs) -> torch.export.Exporte
             except Exception:
                 program = None
         if program is None:
-            try:
-                program = torch.export.export(module, tuple(example_inputs), strict=False)
+            try:  # outside Dynamo's tracing context: its fake values hold guards on Dynamo's own arguments
+                with torch._guards.tracing(None):
+                    program = torch.export.export(module, tuple(example_inputs), strict=False)
             except Exception as exc:  # torch's own message names the failing construct
                 raise CaptureError(f"torch.export could not capture the program: {exc}") from exc
         return program.run_decompositions({})
@@ -251,14 +252,28 @@ def retarget(gm: torch.fx.GraphModule, targets, replacement) -> torch.fx.GraphMo
     return gm
 
 
-def bind_sizes(gm: torch.fx.GraphModule, args: list) -> torch.fx.GraphModule:
-    """The graph with its non-tensor arguments (SymInts at capture) replaced by
-    this call's values: a static graph over the tensor arguments alone."""
+def scalar_slots(gm: torch.fx.GraphModule) -> frozenset[int]:
+    """Arguments that Dynamo made of a Python float whose value changed between
+    calls: 0-d tensors the graph reads only through `.item()`."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    return frozenset(i for i, n in enumerate(placeholders)
+                     if n.users and all(u.op == "call_method" and u.target == "item" for u in n.users))
+
+
+def bind_sizes(gm: torch.fx.GraphModule, args: list, scalars: frozenset = frozenset()) -> torch.fx.GraphModule:
+    """The graph with its non-tensor arguments (SymInts at capture) and its
+    `scalars` (scalar_slots) replaced by this call's values: a static graph
+    over the other tensor arguments alone."""
     graph, env = torch.fx.Graph(), {}
-    placeholders = iter(args)
+    placeholders = iter(enumerate(args))
+    items = {}
     for node in gm.graph.nodes:
-        value = next(placeholders) if node.op == "placeholder" else None
-        if node.op == "placeholder" and not isinstance(value, torch.Tensor):
+        i, value = next(placeholders) if node.op == "placeholder" else (None, None)
+        if node.op == "placeholder" and i in scalars:
+            items[node] = value.item()
+        elif node.op == "call_method" and node.target == "item" and node.args[0] in items:
+            env[node] = items[node.args[0]]
+        elif node.op == "placeholder" and not isinstance(value, torch.Tensor):
             env[node] = value
         else:
             env[node] = graph.node_copy(node, lambda n: env[n])

@@ -215,6 +215,13 @@ def _where(c, a, b):
     return Node.make("where", (c, _t(a), _t(b)))
 
 
+def _masked_fill(x, mask, value):
+    """`x.masked_fill(mask, v)`: where(mask, v, x), in x's dtype (a tensor `v`: ATen)."""
+    if not isinstance(mask, Node) or mask.dtype != "bool" or isinstance(value, Node) or not isinstance(x, Node):
+        return None
+    return Node.make("where", (mask, const(float(value)), x))
+
+
 def _gelu(x, approximate="none"):
     return Node.make("gelu" if approximate == "none" else "gelu_tanh", (x,))
 
@@ -288,7 +295,7 @@ CONVERTERS = {
     aten.sum.dim_IntList: _reduce("sum"), aten.sum.default: _reduce("sum"),
     aten.mean.dim: _reduce("mean"), aten.mean.default: _reduce("mean"), aten.amax.default: _reduce("amax"),
     aten.where.self: _where, aten.where.ScalarOther: _where, aten.where.ScalarSelf: _where,
-    aten.where.Scalar: _where,
+    aten.where.Scalar: _where, aten.masked_fill.Scalar: _masked_fill,
     aten.transpose.int: _transpose, aten.t.default: lambda x: _transpose(x, 0, 1) if len(x.shape) == 2 else x,
     aten.permute.default: lambda x, dims: Node.make("permute", (x,), {"dims": tuple(
         ops.norm_dim(d, len(x.shape)) for d in dims)}),

@@ -132,7 +132,7 @@ def lower_kernel(kernel: Kernel, buffer_names: dict[int, str], exact_mean: bool 
     root = kernel.output
     tree, domain, inner_dims = _layout(root, exact_mean)
     reduce_root = tree.group == "reduction"
-    lowering = _Lowering(domain, inner_dims, buffer_names, exact_mean)
+    lowering = _Lowering(domain, inner_dims, buffer_names, exact_mean, kernel.stored)
     if reduce_root:
         kept = [lowering.index[d] for d in range(len(domain)) if d not in _dims(tree) or tree.attr("keepdim")]
         value = lowering.compute(tree, kept)
@@ -142,8 +142,12 @@ def lower_kernel(kernel: Kernel, buffer_names: dict[int, str], exact_mean: bool 
         out_index = lowering.linear(lowering.index, root.shape)
     params = [Param(buffer_names[id(n)], n.dtype, "in") for n in kernel.inputs]
     params.append(Param(buffer_names[id(root)], root.dtype, "out"))
+    # values stored beside the output (sharing.py), element k at the domain's k-th index
+    extra = [(buffer_names[id(n)], lowering.linear(lowering.index, domain),
+              lowering.compute(_reshaped(n, domain), lowering.index), True) for n in kernel.extra_outputs]
+    params += [Param(buffer_names[id(n)], n.dtype, "out") for n in kernel.extra_outputs]
     out = LoopKernel(kernel.name, params, lowering.outer, lowering.inner, lowering.reductions,
-                     buffer_names[id(root)], out_index, value, not reduce_root)
+                     buffer_names[id(root)], out_index, value, not reduce_root, extra_stores=extra)
     _stash_last_reduction(out, root.dtype)
     return out
 
@@ -237,6 +241,13 @@ def _decompose(var: str, sizes) -> list[Affine]:
     return out
 
 
+def _reshaped(node: Node, shape) -> Node:
+    """`node` as a value of this shape, in row-major order, computed inline."""
+    if tuple(node.shape) == tuple(shape):
+        return node
+    return Node.make("reshape", (Node.make("inline", (node,)),), {"shape": tuple(shape)})
+
+
 EMPTY_REDUCTION = {"sum": 0.0, "mean": math.nan, "amax": -math.inf}
 
 
@@ -245,8 +256,8 @@ class _Lowering:
     is the probe of `_layout`: one variable per domain dim, and it records each
     reduction's row-position variables and element count in `found`."""
 
-    def __init__(self, domain, inner_dims, buffer_names, exact_mean: bool = False):
-        self.buffer_names, self.exact_mean = buffer_names, exact_mean
+    def __init__(self, domain, inner_dims, buffer_names, exact_mean: bool = False, stored: frozenset = frozenset()):
+        self.buffer_names, self.exact_mean, self.stored = buffer_names, exact_mean, stored
         self.probing = inner_dims is None
         self.reductions: list[Reduction] = []
         self.found: list[tuple[Node, set, int]] = []
@@ -276,9 +287,11 @@ class _Lowering:
         """How a consumer sees one operand edge."""
         if a.op == "const":
             return Const(a.attr("value"))
-        if a.op == "inline":
+        if a.op == "inline" and id(a.args[0]) not in self.stored:
             return self.compute(a.args[0], index)
-        if a.group == "layout":
+        if a.op == "inline":  # a value another kernel stores (sharing.py)
+            a = a.args[0]
+        elif a.group == "layout":
             return self.operand(a.args[0], _view_index(a, index))
         if id(a) not in self.buffer_names and not self.probing:
             raise CodegenError(f"{a.op} is read but never materialised")

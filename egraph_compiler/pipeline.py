@@ -29,6 +29,7 @@ from .graph import Graph
 from .lower import lower_kernel
 from .plan import Plan, make_plan
 from .runtime import Executable
+from .folding import fold_constants
 from .siblings import fuse_siblings
 
 DEBUG_ENV = "EGC_DEBUG"
@@ -129,6 +130,7 @@ def build_egraph(fn, example_inputs, options: Options, levels: Levels | None = N
     levels = levels or Levels()
     clock = time.perf_counter()
     graph, levels.aten = capture_mod.capture(fn, example_inputs)
+    graph = fold_constants(graph, next((x.device for x in example_inputs if hasattr(x, "device")), "cpu"))
     levels.graph = str(graph)
     _check_externs(graph, options.strict)
     user = load_user_items(options.rules)
@@ -207,6 +209,7 @@ def _buffer_names(graph: Graph, plan: Plan) -> dict[int, str]:
     names = {id(n): f"in{i}" for i, n in enumerate(graph.inputs)}
     for k in plan.kernels:
         names[id(k.output)] = f"buf{k.name[1:]}"
+        names.update((id(n), f"buf{k.name[1:]}_{j}") for j, n in enumerate(k.extra_outputs, 1))
     return names
 
 

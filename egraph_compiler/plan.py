@@ -36,11 +36,20 @@ class Kernel:
     seconds: float = 0.0
     reason: str = ""  # why an ATen fallback
     loop_nest: str = ""  # the kernel whose loop nest also computes this one (horizontal fusion)
+    # multi-output kernels (sharing.py): values this kernel computes inline and also stores,
+    # and the values other kernels store that it reads instead of computing them (node ids)
+    extra_outputs: list[Node] = field(default_factory=list)
+    stored: frozenset = frozenset()
+
+    @property
+    def outputs(self) -> list[Node]:
+        return [self.output] + self.extra_outputs
 
     def __str__(self) -> str:
         names = " -> ".join(n.op for n in self.ops if n.group != "boundary")
         extra = f"  [fallback: {self.reason}]" if self.reason else ""
         extra += f"  [in {self.loop_nest}'s loop nest]" if self.loop_nest else ""
+        extra += "".join(f"  [also stores {n.op}: {type_str(n)}]" for n in self.extra_outputs)
         return (f"{self.name} ({self.kind}): {names} : {type_str(self.output)}  "
                 f"flops={self.flops:.3g} bytes={self.bytes:.3g} est={self.seconds * 1e6:.1f}us{extra}")
 
@@ -87,7 +96,8 @@ def make_plan(graph: Graph, profile: DeviceProfile, target, alias_inputs: bool =
         plan = _kernels(graph, profile, target, alias_inputs)
         cut = set().union(*(illegal_edges(k.output) for k in plan.kernels if k.kind == "generated"))
         if not cut:
-            return plan
+            from .sharing import share_results  # it builds on this module's kernels
+            return share_results(plan, profile)
         graph = _rebuild(graph, cut)
 
 
@@ -115,7 +125,7 @@ def _kernels(graph: Graph, profile: DeviceProfile, target, alias_inputs: bool = 
         done.add(id(node))
         kind, reason = _kind(node, body, inputs, target)
         kernel = Kernel(f"k{len(kernels)}", kind, node, body, inputs, reason=reason)
-        _estimate(kernel, profile)
+        estimate(kernel, profile)
         kernels.append(kernel)
         if kind == "aten":
             fallbacks.append(_fallback_entry(node, reason, graph))
@@ -149,9 +159,10 @@ def _rebuild(graph: Graph, cut: set[int]) -> Graph:
     return replace(graph, outputs=outputs, where=where, eclass=eclass)
 
 
-def kernel_body(root: Node) -> tuple[list[Node], list[Node]]:
+def kernel_body(root: Node, stored: frozenset = frozenset()) -> tuple[list[Node], list[Node]]:
     """(nodes computed by the kernel rooted at `root`, in order; the
-    materialised tensors it reads)."""
+    materialised tensors it reads).  `stored`: ids of fused values another
+    kernel stores (sharing.py), read here instead of computed."""
     body: list[Node] = []
     inputs: list[Node] = []
     computed: set[int] = set()
@@ -163,7 +174,12 @@ def kernel_body(root: Node) -> tuple[list[Node], list[Node]]:
         view = a
         while a.group == "layout":  # views are index maps over their source
             a = a.args[0]
-        if a.op == "inline" and calls and view is not a:
+        if a.op == "inline" and id(a.args[0]) in stored and not calls:
+            a = a.args[0]
+            if id(a) not in read:
+                read.add(id(a))
+                inputs.append(a)
+        elif a.op == "inline" and calls and view is not a:
             if id(view) not in read:  # a view of a fused producer: its own generated kernel
                 read.add(id(view))
                 inputs.append(view)
@@ -233,9 +249,9 @@ def _kind(node: Node, body, inputs, target) -> tuple[str, str]:
     return ("aten", reason) if reason else ("generated", "")
 
 
-def _estimate(kernel: Kernel, profile: DeviceProfile) -> None:
+def estimate(kernel: Kernel, profile: DeviceProfile) -> None:
     node = kernel.output
-    kernel.bytes = node.numel * itemsize(node.dtype) + sum(
+    kernel.bytes = sum(n.numel * itemsize(n.dtype) for n in kernel.outputs) + sum(
         math.prod(i.shape) * itemsize(i.dtype) for i in kernel.inputs)
     kernel.flops = sum(op_flops(n.op, n.shape, [a.shape for a in n.args]) for n in kernel.ops
                        if n.group not in ("layout", "extern", "boundary", "source"))
@@ -257,7 +273,7 @@ def release_schedule(plan: Plan) -> list[list[Node]]:
     for step, kernel in enumerate(plan.kernels):
         for node in kernel.inputs:
             last[id(node)] = (step, node)
-    produced = {id(k.output) for k in plan.kernels}
+    produced = {id(n) for k in plan.kernels for n in k.outputs}
     release: list[list[Node]] = [[] for _ in plan.kernels]
     for node_id, (step, node) in last.items():
         if node_id in produced and node_id not in keep:
@@ -280,9 +296,10 @@ def verify_plan(plan: Plan, release: list[list[Node]] | None = None) -> None:
             if id(i) not in live:
                 when = "after it is released" if id(i) in released else "before it is computed"
                 raise PlanError(f"{k.name} ({k.output.op}) reads {i.op}{list(i.shape)} {when}")
-        if id(k.output) in live:
-            raise PlanError(f"{k.name} computes {k.output.op} a second time")
-        live.add(id(k.output))
+        for out in k.outputs:
+            if id(out) in live:
+                raise PlanError(f"{k.name} computes {out.op} a second time")
+            live.add(id(out))
         for dead in release[step]:
             live.discard(id(dead))
             released.add(id(dead))

@@ -190,7 +190,7 @@ class Executable:
     def _scalar(self, const: Node, consumer: Node) -> torch.Tensor:
         key = (id(const), id(consumer))
         if key not in self._scalars:
-            self._scalars[key] = _scalar(const, consumer, self.target.device)
+            self._scalars[key] = scalar_tensor(const, consumer, self.target.device)
         return self._scalars[key]
 
     def _result(self, node: Node, env, copy: bool = False) -> torch.Tensor:
@@ -264,10 +264,10 @@ def _all_nodes(plan: Plan):
     for node in plan.graph.inputs:
         yield node
     for kernel in plan.kernels:
-        yield kernel.output
+        yield from kernel.outputs
 
 
-def _scalar(const: Node, consumer: Node, device: str = "cpu") -> torch.Tensor:
+def scalar_tensor(const: Node, consumer: Node, device: str = "cpu") -> torch.Tensor:
     """A scalar operand as torch would type the Python number: in the dtype of
     an arithmetic result (capture gives arithmetic operands that dtype), and
     promoted with the other operand for a comparison."""

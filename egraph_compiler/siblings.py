@@ -21,7 +21,7 @@ def fuse_siblings(plan: Plan, loops: list[LoopKernel], rules) -> tuple[list[Loop
         return loops, {}
     by_name = {lk.name: lk for lk in loops}
     position = {k.name: i for i, k in enumerate(plan.kernels)}
-    produced_at = {id(k.output): i for i, k in enumerate(plan.kernels)}
+    produced_at = {id(n): i for i, k in enumerate(plan.kernels) for n in k.outputs}
     followers: dict[str, str] = {}
     for i, leader in enumerate(plan.kernels):
         if leader.kind != "generated" or leader.name in followers:

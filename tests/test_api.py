@@ -205,6 +205,21 @@ def test_torch_compile_backend_across_shapes():
     assert all(k.kind == "generated" for p in plans for k in p.kernels)
 
 
+def test_a_float_argument_that_changes_between_calls():
+    """After a second value Dynamo passes a Python float as a 0-d tensor read by `.item()`
+    (here through dropout's `p`, which re-traced crashed on a guard, and a scale):
+    each value compiles once and gives eager's result."""
+    def fn(x, p, scale):
+        return torch.nn.functional.dropout(x, p, training=False) * scale
+    torch._dynamo.reset()
+    egc.last_plans(clear=True)
+    compiled = torch.compile(fn, backend="egraph")
+    x = torch.randn(4, 8)
+    for p, scale in ((0.1, 2.0), (0.0, 3.0), (0.3, 2.0), (0.0, 3.0)):
+        torch.testing.assert_close(compiled(x, p, scale), fn(x, p, scale))
+    assert len(egc.last_plans()) == 3  # the first static graph, then one per new (p, scale)
+
+
 @pytest.mark.parametrize("target", ["cpu", "triton"])
 def test_dynamic_graphs_compile_per_size_and_reuse_each_size(target):
     """`dynamic=True` hands over sizes as SymInt arguments (here the reshape's row count):

@@ -1,0 +1,107 @@
+"""Constant folding: the parts of a program that read no input and need an
+ATen call are computed once, at compile time, and become constant inputs of
+the program.  (A fill, `torch.full` and its kind, stays what it is: a scalar
+that generated code broadcasts by an index map, cheaper than any load.)
+
+`transformers` builds its attention masks from `arange`, `diff`, `cumsum` and
+advanced indexing of positions that depend on the sequence length alone: a
+dozen small ATen calls per forward that no kernel needs to repeat (Inductor
+computes them in one fused kernel per call).  A folded value is computed in
+torch by the same semantics the runtime uses (the op table's references, an
+extern's ATen call), and kept on the program's device (a fill names none; a
+0-d CPU tensor may meet CUDA tensors in torch).  Nothing random is folded
+(an op tagged `nondeterministic_seeded`), nor a value larger than
+FOLD_LIMIT_BYTES (the program keeps it for its whole life), nor a program
+output (the caller owns what it gets back), and parameters and buffers are
+inputs, never constants: a model whose weights change keeps seeing them.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from . import ops
+from .graph import WEAK, Bound, Graph, Node, input_node, topo_order
+from .runtime import scalar_tensor, torch_dtype
+
+FOLD_LIMIT_BYTES = 16 << 20
+
+
+def fold_constants(graph: Graph, device: torch.device | str = "cpu") -> Graph:
+    order = topo_order(graph.outputs)
+    constant: set[int] = set()
+    aten: set[int] = set()  # constants that an ATen call computes (or reads)
+    for node in order:
+        if _foldable(node) and all(a.op == "const" or id(a) in constant for a in node.args):
+            constant.add(id(node))
+            if node.op == "extern" or any(id(a) in aten for a in node.args):
+                aten.add(id(node))
+    outputs = {id(o) for o in graph.outputs}
+    readers: dict[int, list[Node]] = {}
+    for node in order:
+        for a in node.args:
+            readers.setdefault(id(a), []).append(node)
+    frontier = [n for n in order if id(n) in aten and id(n) not in outputs and _bytes(n) <= FOLD_LIMIT_BYTES
+                and any(id(r) not in constant for r in readers.get(id(n), []))]
+    if not frontier:
+        return graph
+    values: dict[int, torch.Tensor] = {}
+    replacements: dict[int, Node] = {}
+    bound = dict(graph.bound)
+    for k, node in enumerate(frontier):
+        name = f"folded{k}_"
+        while name in bound or any(i.attr("name") == name for i in graph.inputs):
+            name += "_"
+        bound[name] = Bound(None, name, _evaluate(node, values, device).contiguous())
+        replacements[id(node)] = input_node(name, node.shape, node.dtype)
+    return _rebuild(graph, replacements, bound)
+
+
+def _foldable(node: Node) -> bool:
+    if node.op in ("input", "const") or node.group in ("collective", "boundary"):
+        return False
+    if node.op == "extern":
+        call = node.attr("target")
+        if call.item is not None:  # one output of a multi-output call: its siblings share the call
+            return False
+        target = call.target
+        return torch.Tag.nondeterministic_seeded not in getattr(target, "tags", (torch.Tag.nondeterministic_seeded,))
+    return True
+
+
+def _bytes(node: Node) -> int:
+    if node.dtype == WEAK:
+        return 1 << 62
+    return node.numel * torch.empty((), dtype=torch_dtype(node.dtype)).element_size()
+
+
+def _evaluate(node: Node, values: dict, device) -> torch.Tensor:
+    if id(node) in values:
+        return values[id(node)]
+    tensors = [None if a.op == "const" else _evaluate(a, values, device) for a in node.args]
+    args = [scalar_tensor(a, node, device) if t is None else t for a, t in zip(node.args, tensors)]
+    if node.op == "extern":
+        out = node.attr("target").run(args)
+    else:
+        out = ops.get(node.op).reference(args, node.a).to(torch_dtype(node.dtype))
+    values[id(node)] = out = out.to(device)
+    return out
+
+
+def _rebuild(graph: Graph, replacements: dict[int, Node], bound: dict) -> Graph:
+    memo: dict[int, Node] = {}
+    for node in topo_order(graph.outputs):
+        if id(node) in replacements:
+            memo[id(node)] = replacements[id(node)]
+            continue
+        args = tuple(memo[id(a)] for a in node.args)
+        if node.group == "source" or args == node.args:
+            memo[id(node)] = node
+        else:
+            memo[id(node)] = Node.make(node.op, args, node.a, shape=node.shape, dtype=node.dtype)
+    keep = {id(n): n for n in memo.values()}
+    where = {id(memo[k]): v for k, v in graph.where.items() if k in memo}
+    inputs = list(graph.inputs) + [n for n in replacements.values() if id(n) in keep]
+    return replace(graph, inputs=inputs, outputs=tuple(memo[id(o)] for o in graph.outputs), bound=bound,
+                   where={**graph.where, **where})

@@ -1,0 +1,104 @@
+"""Multi-output kernels (egraph_compiler/sharing.py): a residual stream's running
+sum is stored once by the kernel that first computes it, not recomputed from
+all its terms by every later norm kernel."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import egraph_compiler as egc
+from egraph_compiler.plan import verify_plan
+
+LAYERS = 4
+
+
+def residual_stream(x, w_attn, w_mlp, norm):
+    """A pre-norm decoder's skeleton: each layer adds two branches to the stream."""
+    h = x
+    for i in range(LAYERS):
+        h = h + F.rms_norm(h, (x.shape[-1],), norm, 1e-6) @ w_attn[i]
+        h = h + torch.relu(F.rms_norm(h, (x.shape[-1],), norm, 1e-6) @ w_mlp[i])
+    return F.rms_norm(h, (x.shape[-1],), norm, 1e-6)
+
+
+def gpt2_stream(x, w, b, proj):
+    """GPT-2's form: layer_norm of the stream, flattened to rows for the linear."""
+    h = x
+    for i in range(LAYERS):
+        rows = F.layer_norm(h, (x.shape[-1],), w, b).reshape(-1, x.shape[-1])
+        h = h + (rows @ proj[i]).reshape(x.shape)
+    return F.layer_norm(h, (x.shape[-1],), w, b)
+
+
+def inputs(dtype=torch.float32):
+    torch.manual_seed(0)
+    d = 32
+    return [torch.randn(2, 8, d, dtype=dtype), torch.randn(LAYERS, d, d, dtype=dtype) / d ** 0.5,
+            torch.randn(LAYERS, d, d, dtype=dtype) / d ** 0.5, torch.rand(d, dtype=dtype) + 0.5]
+
+
+def activations_read(kernel, x):
+    """The stream-shaped tensors a kernel reads (weights and norms left out)."""
+    return sum(1 for i in kernel.inputs if i.numel == x.numel())
+
+
+@pytest.mark.parametrize("target", ["cpu", "triton"])
+def test_residual_stream_is_stored_once_and_read_by_later_norms(target):
+    if target == "triton":
+        pytest.importorskip("triton")
+    args = inputs()
+    compiled = egc.compile(residual_stream, args, target=target)
+    verify_plan(compiled.plan)
+    generated = [k for k in compiled.plan.kernels if k.kind == "generated"]
+    assert sum(len(k.extra_outputs) for k in generated) >= LAYERS, str(compiled.plan)
+    assert "also stores add" in str(compiled.plan)
+    # without the stores the last norm kernel would read all 2 * LAYERS + 1 terms of the stream
+    assert max(activations_read(k, args[0]) for k in generated) <= 3, str(compiled.plan)
+    torch.testing.assert_close(compiled(*args), residual_stream(*args), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("target", ["cpu", "triton"])
+def test_a_stored_value_of_another_shape_than_the_kernel_output(target):
+    """GPT-2's norm kernels end in a reshape to rows: the stream ([2, 8, 32]) is
+    stored in the loop nest of a [16, 32] output, element k at index k."""
+    if target == "triton":
+        pytest.importorskip("triton")
+    x, proj, _, w = inputs()
+    b = torch.randn(32)
+    compiled = egc.compile(gpt2_stream, [x, w, b, proj], target=target)
+    shapes = [tuple(n.shape) for k in compiled.plan.kernels for n in k.extra_outputs]
+    assert (2, 8, 32) in shapes and any(tuple(k.output.shape) == (16, 32) and k.extra_outputs
+                                         for k in compiled.plan.kernels), str(compiled.plan)
+    torch.testing.assert_close(compiled(x, w, b, proj), gpt2_stream(x, w, b, proj), atol=1e-5, rtol=1e-5)
+
+
+def test_bfloat16_stream_is_stored_rounded_as_eager_rounds_it():
+    args = inputs(torch.bfloat16)
+    compiled = egc.compile(residual_stream, args)
+    assert any(k.extra_outputs for k in compiled.plan.kernels), str(compiled.plan)
+    ref = residual_stream(*[a.float() for a in args])
+    eager_error = (residual_stream(*args).float() - ref).abs().max()
+    assert (compiled(*args).float() - ref).abs().max() <= 2 * eager_error + 1e-2
+
+
+def test_a_value_computed_by_one_later_kernel_only_is_not_stored():
+    """Storing costs a write and a read: for one later reader of two terms it saves nothing."""
+    def two_norms(x, y, w):
+        h = x + y
+        return F.rms_norm(h, (16,), w), (h * 2).sum(-1)
+    x, y, w = torch.randn(4, 16), torch.randn(4, 16), torch.rand(16)
+    compiled = egc.compile(two_norms, [x, y, w])
+    assert not any(k.extra_outputs for k in compiled.plan.kernels), str(compiled.plan)
+    for got, want in zip(compiled(x, y, w), two_norms(x, y, w)):
+        torch.testing.assert_close(got, want)
+
+
+def test_stored_streams_compile_for_an_h200_without_a_gpu():
+    """The row kernels with an extra store go through Triton's GPU compiler (sm_90)."""
+    pytest.importorskip("triton")
+    from egraph_compiler.codegen.triton import compile_for_gpu
+    modules = []
+    for dtype in (torch.float32, torch.bfloat16):
+        compiled = egc.compile(residual_stream, inputs(dtype), target="triton")
+        assert any(k.extra_outputs for k in compiled.plan.kernels)
+        modules.append((compiled.source, compiled.loop_kernels))
+    compile_for_gpu(modules)
