@@ -79,7 +79,30 @@ def _reshape(x, shape):
         for s in shape:
             known *= s if s != -1 else 1
         shape[shape.index(-1)] = x.numel // known if known else 0
-    return x if tuple(shape) == x.shape else Node.make("reshape", (x,), {"shape": tuple(shape)})
+    if tuple(shape) == x.shape:
+        return x
+    return _repeat_form(x, tuple(shape)) or Node.make("reshape", (x,), {"shape": tuple(shape)})
+
+
+def _repeat_form(x, shape):
+    """`x[:, :, None].expand(b, h, g, s, d).reshape(b, h * g, s, d)` (transformers' `repeat_kv`) is
+    `repeat_interleave(x, g, dim=1)`: one index map, which the attention rules see through."""
+    if x.op != "expand" or x.args[0].op != "reshape":
+        return None
+    src, unit, wide = x.args[0].args[0].shape, x.args[0].shape, x.shape
+    for p in range(1, len(unit)):
+        if unit[p] == 1 and unit[:p] + unit[p + 1:] == src and wide[:p] + wide[p + 1:] == src:
+            if shape == src[:p - 1] + (src[p - 1] * wide[p],) + src[p:]:
+                return Node.make("repeat_interleave", (x.args[0].args[0],), {"dim": p - 1 - len(src),
+                                                                              "repeats": wide[p]})
+    return None
+
+
+def _repeat_interleave(x, repeats, dim=None, output_size=None):
+    if not isinstance(repeats, int) or dim is None:
+        return None
+    return Node.make("repeat_interleave", (x,), {"dim": ops.norm_dim(dim, len(x.shape)) - len(x.shape),
+                                                 "repeats": repeats})
 
 
 def _slice(x, dim=0, start=None, end=None, step=1):
@@ -296,6 +319,7 @@ CONVERTERS = {
     aten.mean.dim: _reduce("mean"), aten.mean.default: _reduce("mean"), aten.amax.default: _reduce("amax"),
     aten.where.self: _where, aten.where.ScalarOther: _where, aten.where.ScalarSelf: _where,
     aten.where.Scalar: _where, aten.masked_fill.Scalar: _masked_fill,
+    aten.repeat_interleave.self_int: _repeat_interleave,
     aten.transpose.int: _transpose, aten.t.default: lambda x: _transpose(x, 0, 1) if len(x.shape) == 2 else x,
     aten.permute.default: lambda x, dims: Node.make("permute", (x,), {"dims": tuple(
         ops.norm_dim(d, len(x.shape)) for d in dims)}),

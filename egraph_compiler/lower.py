@@ -393,6 +393,11 @@ def _view_index(node: Node, index):
         return out
     if node.op == "expand":
         return _broadcast_index(index, node.shape, src)
+    if node.op == "repeat_interleave":
+        out = list(index)
+        d = a["dim"] % r
+        out[d] = index[d].floordiv(a["repeats"])
+        return out
     if node.op == "slice":
         out = list(index)
         d = a["dim"] % r

@@ -139,6 +139,12 @@ def slice_shape(shapes, a):
     return s[:d] + (n,) + s[d + 1:]
 
 
+def repeat_shape(shapes, a):
+    (s,) = shapes
+    d = norm_dim(a["dim"], len(s))
+    return s[:d] + (s[d] * a["repeats"],) + s[d + 1:]
+
+
 def same_shape(shapes, a):
     return broadcast(*shapes)
 
@@ -217,6 +223,12 @@ def _sdpa(t, a):
         return call(q, k, v)
     if mask is not None:
         mask = fused_kernel_mask(mask, k.shape[-2], q.dtype)
+    if grouped and mask is not None and not a["causal"] and q.dim() == 4:
+        return grouped_queries(q, k, v, query_group_mask(mask, q.shape[-3] // k.shape[-3], q.shape[-2]), a["scale"])
+    return on_cuda(call, q, k, v)
+
+
+def on_cuda(call, q, k, v):
     # torch's fused CUDA kernels refuse misaligned views ("query is not correctly aligned") and some
     # head sizes with a mask ("no kernel found to launch"): the views as they are (q, k and v are
     # usually slices of one projection, which the kernels read in place), then aligned copies, then
@@ -231,6 +243,31 @@ def _sdpa(t, a):
     except RuntimeError:
         with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
             return call(q, k, v)
+
+
+def query_group_mask(mask, groups: int, rows: int):
+    """The mask for `grouped_queries`, for `rows` queries: [B, 1 or H, L or 1, S] ->
+    [B, 1 or H / groups, groups * L, S] (a copy, made once per run for the layers that share it)."""
+    while mask.dim() < 4:
+        mask = mask.unsqueeze(0)
+    b, h, _, keys = mask.shape
+    if h == 1:
+        return mask.unsqueeze(2).expand(b, 1, groups, rows, keys).reshape(b, 1, groups * rows, keys)
+    return mask.expand(b, h, rows, keys).reshape(b, h // groups, groups * rows, keys)
+
+
+def grouped_queries(q, k, v, group_mask, scale):
+    """Grouped-query attention with a mask on CUDA.  torch's fused kernels take no `enable_gqa`
+    with a mask (it repeats K and V, two copies per layer), so each key/value head's group of
+    query heads goes on the query axis instead: q [B, Hk * g, L, d] viewed as [B, Hk, g * L, d],
+    the mask repeated per group (query_group_mask).  Exact: the same rows meet the same keys."""
+    b, heads, rows, d = q.shape
+    kv_heads = k.shape[-3]
+    flat = q.reshape(b, kv_heads, heads // kv_heads * rows, d)
+
+    def call(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=group_mask, scale=scale)
+    return on_cuda(call, flat, k, v).reshape(b, heads, rows, v.shape[-1])
 
 
 def fused_kernel_mask(mask, keys: int, dtype):
@@ -302,6 +339,9 @@ _op("reshape", "layout", 1, [("shape", "ints")], reshape_shape, 0,
     lambda t, a: t[0].reshape(a["shape"]), "first")
 _op("expand", "layout", 1, [("shape", "ints")], expand_shape, 0,
     lambda t, a: t[0].expand(a["shape"]), "first")
+# each element `repeats` times in a row along `dim` (a head repeat: grouped-query attention's K and V)
+_op("repeat_interleave", "layout", 1, [("dim", "int"), ("repeats", "int")], repeat_shape, 0,
+    lambda t, a: t[0].repeat_interleave(a["repeats"], a["dim"]), "first")
 _op("slice", "layout", 1, [("dim", "int"), ("start", "int"), ("end", "int"), ("step", "int")], slice_shape, 0,
     lambda t, a: t[0][(slice(None),) * (a["dim"] % t[0].dim()) + (slice(a["start"], a["end"], a["step"]),)],
     "first")

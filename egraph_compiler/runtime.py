@@ -182,6 +182,14 @@ class Executable:
             if key not in self._memo:
                 self._memo[key] = ops.fused_kernel_mask(args[3], args[1].shape[-2], args[0].dtype)
             args[3] = self._memo[key]
+            q, k, v, mask = args
+            if (ops.gqa(q.shape, k.shape, v.shape) and q.dim() == 4 and not node.attr("causal")
+                    and mask.dim() <= 4 and (mask.dim() < 4 or mask.shape[0] in (1, q.shape[0]))):
+                groups = q.shape[-3] // k.shape[-3]  # grouped-query attention: the grouped mask, also once
+                key = key + (groups, q.shape[-2])
+                if key not in self._memo:
+                    self._memo[key] = ops.query_group_mask(mask, groups, q.shape[-2])
+                return ops.grouped_queries(q, k, v, self._memo[key], node.attr("scale"))
         if node.op == "extern":
             return node.attr("target").run(args)
         out = ops.get(node.op).reference(args, node.a)

@@ -70,6 +70,9 @@ def test_transformers_model_through_torch_compile(name):
     assert sum(c.plan.count("sdpa") + c.plan.count("sdpa_mask") for c in compiled_graphs) == 2, \
         [str(c.plan) for c in compiled_graphs]
     assert not any("scaled_dot_product_attention" in f for f in fallbacks), fallbacks
+    if name == "llama_gqa":  # repeat_kv seen through: K and V reach sdpa unrepeated, not copied per layer
+        sdpas = [n for c in compiled_graphs for n in c.plan.graph.topo() if n.op.startswith("sdpa")]
+        assert all(n.args[1].shape[-3] * 2 == n.args[0].shape[-3] for n in sdpas), [str(c.plan) for c in compiled_graphs]
     # inside the transformer blocks nothing runs through ATen (rotary embeddings' cat, cos and sin, the
     # KV cache's cat are generated); only the embeddings before them do (lookups and position ids)
     embeddings = {"aten.embedding.default", "aten.arange.default", "aten.gather.default"}

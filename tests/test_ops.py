@@ -141,6 +141,9 @@ CASES: list[OpCase] = [
       lambda x: (x.reshape(4, 6), x.view(-1, 2), x[1], x.unsqueeze(1)), lambda: (randn(2, 3, 4),)),
     C("reshape_after_transpose", "reshape", lambda x: x.transpose(0, 1).reshape(6, 4), lambda: (randn(2, 3, 4),)),
     C("expand", "expand", lambda x: x.expand(2, -1, 4), lambda: (randn(3, 1),)),
+    C("repeat_interleave_and_repeat_kv", "repeat_interleave",  # transformers' repeat_kv is one too
+      lambda x: (x.repeat_interleave(3, dim=1), x[:, :, None].expand(2, 2, 3, 4).reshape(2, 6, 4) * 2,
+                 x.repeat_interleave(2, dim=-1)), lambda: (randn(2, 2, 4),)),
     C("slice_step2_negative_start", "slice", lambda x: (x[:, 1::2], x[-2:], x[:, -6:-1:2], x[:, 2:100]),
       lambda: (randn(5, 8),)),
     C("split", "slice", lambda x: torch.split(x, 3, dim=-1) + torch.split(x, [1, 3], dim=0),
@@ -176,6 +179,11 @@ CASES: list[OpCase] = [
     C("conv2d_groups_patchify", "conv2d",  # ViT's patch embedding, then its flatten/transpose
       lambda x, w: F.conv2d(x, w, stride=4, groups=2).flatten(2).transpose(1, 2) * 2,
       lambda: (randn(1, 4, 8, 12), randn(6, 2, 4, 4))),
+    C("sdpa_repeat_kv_masked", "sdpa_mask",  # transformers' repeat_kv: the rule hands sdpa K and V unrepeated
+      lambda q, k, v, m: F.scaled_dot_product_attention(
+          q, k[:, :, None].expand(2, 2, 2, 5, 8).reshape(2, 4, 5, 8),
+          v[:, :, None].expand(2, 2, 2, 5, 8).reshape(2, 4, 5, 8), attn_mask=m),
+      lambda: (randn(2, 4, 6, 8), randn(2, 2, 5, 8), randn(2, 2, 5, 8), randn(2, 1, 6, 5))),
     C("sdpa_grouped_query", "sdpa",  # k/v heads serve groups of q's heads (torch's enable_gqa)
       lambda q, k, v: (F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
                        F.scaled_dot_product_attention(q, k[:, :1], v[:, :1], is_causal=True, enable_gqa=True)),
@@ -285,3 +293,16 @@ def test_bool_logic_is_generated(fn, target):
     got, want = compiled(a, b, x), fn(a, b, x)
     assert got.dtype == want.dtype and torch.equal(got, want)
     assert not compiled.plan.fallbacks
+
+
+@pytest.mark.parametrize("mask_shape", [(2, 1, 6, 5), (2, 4, 6, 5), (1, 1, 1, 5), (6, 5), (2, 4, 1, 5)])
+def test_grouped_queries_match_torch_grouped_query_attention(mask_shape):
+    """The CUDA path for a masked GQA sdpa (ops.grouped_queries: each K/V head's group of query heads on
+    the query axis, the mask repeated per group) computes torch's enable_gqa attention exactly."""
+    from egraph_compiler.ops import grouped_queries, query_group_mask
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, 6, 8), torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 3)
+    mask = torch.randn(mask_shape)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3, enable_gqa=True)
+    got = grouped_queries(q, k, v, query_group_mask(mask, 2, 6), 0.3)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

@@ -364,11 +364,14 @@ class _Checker:
             return var
         if tree.data == "number":
             return Lit(self.number(tree, sort), sort)
+        if tree.data == "arith" and sort in ("int", "float"):  # size(q, -3) == size(k, -3) * g
+            a, op, b = tree.children
+            return Arith(str(op), self._cond_value(a, left, sorts), self._cond_value(b, left, sorts), sort)
         if tree.data == "boolean":
             return Lit(str(tree.children[0]) == "true", "bool")
         if tree.data == "string":
             return Lit(str(tree.children[0])[1:-1], "str")
-        self.error("a condition compares with a constant or a variable", tree.meta)
+        self.error("a condition compares with a constant, a variable or arithmetic on them", tree.meta)
 
 
 def _line(lines, n):

@@ -18,7 +18,7 @@ from functools import reduce
 import torch
 
 from .evaluate import NotApplicable, evaluate, shape_of
-from .parser import Condition, Lit, Query, Rule, Var, collect_vars
+from .parser import Arith, Condition, Lit, Query, Rule, Var, collect_vars
 
 SIZES = (1, 2, 3, 5, 8)
 FLOATS = (0.5, 2.0, 1e-5, -3.0, 1.0, 0.0)
@@ -27,8 +27,8 @@ PROFILES = ("normal", "edges", "large", "tiny", "spread")
 EDGES = (0.0, 1.0, -1.0, 1e4, -1e4, 1e-6, -1e-6, 0.5, -2.0)
 TOLERANCES = {torch.float64: (1e-6, 1e-9), torch.float32: (1e-4, 1e-5),  # (rtol, atol)
               torch.float16: (1e-2, 1e-3), torch.bfloat16: (5e-2, 1e-2)}
-VERSION = 1  # bump when a change could turn a verdict: trust.py's cache of passed rules is keyed by it
-ATTEMPTS = 200  # draws per trial before giving up on a well-formed instance
+VERSION = 2  # bump when a change could turn a verdict: trust.py's cache of passed rules is keyed by it
+ATTEMPTS = 1000  # draws per trial before giving up on a well-formed instance
 MAX_NUMEL = 100_000
 _COMPARE = {"<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge, "==": operator.eq,
             "!=": operator.ne}
@@ -129,6 +129,8 @@ def _instance(rule, pattern, rng, gen, dtype, profile, domain):
             continue
         attrs = {n: _drawattr_value(n, s, shapes, rule, rng) for n, s in attr_vars.items()}
         var_dtypes = {n: _fixed_dtype(rule, n) or dtype for n in tensor_vars}
+        if rng.random() < 0.5:
+            shapes = _repair(matching, shapes, attrs, var_dtypes)
         if not all(_holds(c, shapes, attrs, var_dtypes) for c in matching):
             continue
         try:
@@ -144,6 +146,27 @@ def _instance(rule, pattern, rng, gen, dtype, profile, domain):
         except Exception as exc:  # shape rules can be looser than the reference
             last = _explain(exc)
     return last
+
+
+def _repair(conditions, shapes, attrs, dtypes) -> dict:
+    """The draw made to meet the rule's equalities where one assignment can: `rank(x) == n`
+    trims x's shape or pads it with 1s, `size(x, d) == value` sets that size (all conditions
+    are still checked after): rules whose shapes are tied by arithmetic (grouped heads)
+    are rarely drawn well-formed by chance."""
+    shapes = dict(shapes)
+    for cond in conditions:
+        if cond.op != "==" or not isinstance(cond.left, Query) or cond.left.kind == "dtype":
+            continue
+        value, name = _cond_term(cond.right[0], shapes, attrs, dtypes), cond.left.var.name
+        shape = list(shapes[name])
+        if not isinstance(value, int) or value < 0 or value > 64:
+            continue
+        if cond.left.kind == "rank" and value <= 6:
+            shapes[name] = tuple(([1] * value + shape)[len(shape):])
+        elif cond.left.kind == "size" and -len(shape) <= cond.left.dim < len(shape) and value > 0:
+            shape[cond.left.dim] = value
+            shapes[name] = tuple(shape)
+    return shapes
 
 
 def _draw_shapes(names, rng, sizes) -> dict:
@@ -162,6 +185,9 @@ def _variant(base, rng, sizes) -> tuple:
         s = s[rng.randrange(len(s)):]
     if rng.random() < 0.2:
         s = [1 if rng.random() < 0.5 else n for n in s]
+    if rng.random() < 0.2 and s:  # a multiple of a size: groups (grouped-query attention's heads)
+        i = rng.randrange(len(s))
+        s[i] *= rng.choice((2, 3))
     if rng.random() < 0.1:
         s = [rng.choice(sizes) for _ in range(rng.randint(1, 4))]
     return tuple(s)
@@ -247,12 +273,19 @@ def _mask(shape, gen):
 
 def _holds(cond: Condition, shapes, attrs, dtypes) -> bool:
     left, right = _cond_term(cond.left, shapes, attrs, dtypes), [_cond_term(r, shapes, attrs, dtypes) for r in cond.right]
-    if left is None:  # size() of a dimension the tensor lacks
+    if left is None or None in right:  # size() of a dimension the tensor lacks
         return False
     return left in right if cond.op == "in" else _COMPARE[cond.op](left, right[0])
 
 
 def _cond_term(term, shapes, attrs, dtypes):
+    if isinstance(term, Arith):
+        a, b = _cond_term(term.left, shapes, attrs, dtypes), _cond_term(term.right, shapes, attrs, dtypes)
+        if a is None or b is None or (term.op == "/" and b == 0):
+            return None
+        if term.op == "/":
+            return a // b if term.sort == "int" else a / b
+        return a + b if term.op == "+" else a - b if term.op == "-" else a * b
     if isinstance(term, Query):
         shape = shapes[term.var.name]
         if term.kind == "size":
