@@ -178,3 +178,24 @@ def test_one_mask_serves_every_layer():
             want = two_layers(q, k, v, mask)
         torch.testing.assert_close(compiled(q, k, v, mask), want, atol=1e-4, rtol=1e-4)
     assert compiled.cuda_graph == "recorded"
+
+
+def test_grouped_query_attention_with_a_mask():
+    """transformers' repeat_kv and a mask: sdpa gets K and V unrepeated (attention_grouped_kv_masked) and
+    runs each K/V head's query group on the query axis (ops.grouped_queries), inside a CUDA graph too."""
+    torch.manual_seed(0)
+    q = torch.randn(2, 8, 64, 32, device="cuda")
+    k, v = (torch.randn(2, 2, 64, 32, device="cuda") for _ in range(2))
+
+    def attend(q, k, v, mask):
+        def repeat(x):
+            return x[:, :, None].expand(2, 2, 4, 64, 32).reshape(2, 8, 64, 32)
+        a = F.scaled_dot_product_attention(q, repeat(k), repeat(v), attn_mask=mask)
+        return F.scaled_dot_product_attention(a * 2, repeat(k), repeat(v), attn_mask=mask)
+    masks = [torch.rand(2, 1, 64, 64, device="cuda") > p for p in (0.2, 0.5)]
+    compiled = egc.compile(attend, [q, k, v, masks[0]], cuda_graphs=True)
+    assert all(n.args[1].shape[-3] == 2 for n in compiled.plan.graph.topo() if n.op == "sdpa_mask"), compiled.plan
+    for mask in masks * 2:
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+            want = attend(q, k, v, mask)
+        torch.testing.assert_close(compiled(q, k, v, mask), want, atol=1e-4, rtol=1e-4)
