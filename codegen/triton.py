@@ -324,7 +324,8 @@ def compile_for_gpu(modules: list[tuple[str, list[LoopKernel]]], arch: int = 90)
         if not path.exists() or path.read_text() != source:
             _import(source)
         specs += [(str(path), k.name, {p.name: SIGNATURE[p.dtype] for p in k.params}, shape.xblock, shape.rblock,
-                   shape.warps) for k in kernels for shape in [_Kernel(k)]]
+                   shape.warps) for k in kernels for shape in [_Kernel(k)]
+                  if f"def {k.name}(" in source]  # (a repeated kernel runs another's code: walker.unique_kernels)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", _GPU_COMPILE, json.dumps(specs), str(arch)],
                           env=env, capture_output=True, text=True)

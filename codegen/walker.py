@@ -9,6 +9,7 @@ truly differs (scalar loops with OpenMP against blocked vectors)."""
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -124,3 +125,24 @@ def float_literal(value: float, suffix: str, inf: str, nan: str) -> str:
         return inf if value > 0 else f"(-{inf})"
     text = repr(float(value))
     return f"({text}{suffix})" if value < 0 else f"{text}{suffix}"
+
+
+def unique_kernels(kernels: list, kernel_source: Callable) -> tuple[list, dict[str, str]]:
+    """Kernels whose source is the same up to their own name and their parameters'
+    names (a repeated layer's norm, activation, rotary kernels) are rendered and
+    compiled once.  Returns (the first kernel of each source, in order; each other
+    kernel's name -> the name of the one that computes for it, with its tensors in
+    the same parameter positions)."""
+    first: dict[str, str] = {}
+    unique, aliases = [], {}
+    for k in kernels:
+        names = [k.name] + [p.name for p in k.params]
+        where = {name: i for i, name in enumerate(names)}
+        key = re.sub(r"\b(" + "|".join(map(re.escape, names)) + r")\b", lambda m: f"@{where[m.group(1)]}",
+                     kernel_source(k))
+        if key in first:
+            aliases[k.name] = first[key]
+        else:
+            first[key] = k.name
+            unique.append(k)
+    return unique, aliases

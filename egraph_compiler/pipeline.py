@@ -13,6 +13,7 @@ import warnings
 from dataclasses import dataclass, field
 
 from .codegen import get_target
+from .codegen.walker import unique_kernels
 from . import capture as capture_mod
 from . import remote
 from .calibrate import profile_for
@@ -110,10 +111,12 @@ def lower_and_load(plan: Plan, rules, target, options: Options, levels: Levels) 
         kernel.loop_nest = followers.get(kernel.name, "")
     levels.plan = str(plan) + "\n\n" + str(plan.graph)
     levels.loops = "\n\n".join(str(k) for k in loops)
-    levels.source = target.render(loops)
+    rendered, aliases = unique_kernels(loops, target.kernel_source)  # a repeated layer's kernels: compiled once
+    levels.source = target.render(rendered)
     clock = time.perf_counter()
     with remote.using(options.cache):
-        executable = Executable(plan, levels.source, loops, buffer_names, target, cuda_graphs=options.cuda_graphs)
+        executable = Executable(plan, levels.source, loops, buffer_names, target, cuda_graphs=options.cuda_graphs,
+                                aliases=aliases)
     levels.wrapper = executable.wrapper.source
     levels.timings["load"] = time.perf_counter() - clock
     return executable

@@ -29,15 +29,19 @@ class Executable:
     """Runs a plan: generated kernels through the target's loader, the rest through torch."""
 
     def __init__(self, plan: Plan, source: str, loops, buffer_names: dict[int, str], target,
-                 cuda_graphs: bool = False):
+                 cuda_graphs: bool = False, aliases: dict[str, str] | None = None):
+        """`loops`: every generated kernel's loop IR; `aliases`: kernel name -> the kernel
+        whose compiled code runs it (codegen.walker.unique_kernels), not in `source`."""
         self.plan = plan
         self.graph: Graph = plan.graph
         self.target = target
         self.compiled_now = False
         self.loops = loops  # the generated kernels' loop IR
         self._calls = {}
+        aliases = aliases or {}
         if loops:
-            self._calls, self.compiled_now = target.load(source, loops)
+            self._calls, self.compiled_now = target.load(source, [lk for lk in loops if lk.name not in aliases])
+            self._calls.update((name, self._calls[same]) for name, same in aliases.items())
         nodes = {name: node for node in _all_nodes(plan) for name in [buffer_names.get(id(node))] if name}
         release = release_schedule(plan)
         verify_plan(plan, release)

@@ -102,3 +102,21 @@ def test_stored_streams_compile_for_an_h200_without_a_gpu():
         assert any(k.extra_outputs for k in compiled.plan.kernels)
         modules.append((compiled.source, compiled.loop_kernels))
     compile_for_gpu(modules)
+
+
+@pytest.mark.parametrize("target", ["cpu", "triton"])
+def test_a_repeated_layers_kernels_are_compiled_once(target):
+    """Kernels equal up to their names (each layer's norm) are rendered once; every step runs that code
+    on its own tensors (codegen.walker.unique_kernels)."""
+    import re
+    if target == "triton":
+        pytest.importorskip("triton")
+    args = inputs()
+    compiled = egc.compile(residual_stream, args, target=target)
+    generated = [k for k in compiled.plan.kernels if k.kind == "generated"]
+    defined = re.findall(r"(?:void|def) (k\d+)\(", compiled.source)
+    assert len(generated) == 2 * LAYERS + 1 and len(defined) <= len(generated) - LAYERS, defined  # 9 kernels, 5 codes
+    assert {lk.name for lk in compiled.loop_kernels} >= {k.name for k in generated}  # the loop IR of every kernel
+    torch.testing.assert_close(compiled(*args), residual_stream(*args), atol=1e-5, rtol=1e-5)
+    other = inputs()[:1] + args[1:]
+    torch.testing.assert_close(compiled(*other), residual_stream(*other), atol=1e-5, rtol=1e-5)
