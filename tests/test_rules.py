@@ -129,7 +129,7 @@ def test_row_composites_lower_from_their_definition_rules(op, exact_mean, rule):
     from egraph_compiler import graph as G
     from egraph_compiler.dsl.terms import Pat
     from egraph_compiler.dsl.library import library_rule
-    from egraph_compiler.lower import expand_row
+    from egraph_compiler.rows import expand_row
     x = G.input_node("x", (4, 8), "float32")
     w, b = G.input_node("w", (8,), "float32"), G.input_node("b", (8,), "float32")
     args = {"softmax": ((x,), {"dim": -1}), "log_softmax": ((x,), {"dim": -1}),

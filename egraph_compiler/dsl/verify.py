@@ -5,7 +5,8 @@ functions give eager torch values.  Both sides of a rule are evaluated on random
 instances meeting its conditions (shapes, attributes, dtypes, value profiles
 kept inside any declared domain such as `x > 0`) and compared in float64; a
 `<=>` rule is checked both ways.  A `const` acts as a Python float would.  Below
-float64, each side's own rounding error (against a float64 run) is tolerated too.
+float64, each side's own rounding error (against a float64 run) is tolerated too
+(compare.py).
 """
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from functools import reduce
 
 import torch
 
-from .evaluate import NotApplicable, evaluate, shape_of
+from .compare import TOLERANCES, Instance, compare, explain
+from .evaluate import evaluate, shape_of
 from .parser import Arith, Condition, Lit, Query, Rule, Var, collect_vars
 
 SIZES = (1, 2, 3, 5, 8)
@@ -25,8 +27,6 @@ FLOATS = (0.5, 2.0, 1e-5, -3.0, 1.0, 0.0)
 STRS = ("float32", "float64", "float16", "bfloat16")
 PROFILES = ("normal", "edges", "large", "tiny", "spread")
 EDGES = (0.0, 1.0, -1.0, 1e4, -1e4, 1e-6, -1e-6, 0.5, -2.0)
-TOLERANCES = {torch.float64: (1e-6, 1e-9), torch.float32: (1e-4, 1e-5),  # (rtol, atol)
-              torch.float16: (1e-2, 1e-3), torch.bfloat16: (5e-2, 1e-2)}
 VERSION = 2  # bump when a change could turn a verdict: trust.py's cache of passed rules is keyed by it
 ATTEMPTS = 1000  # draws per trial before giving up on a well-formed instance
 MAX_NUMEL = 100_000
@@ -48,22 +48,6 @@ class VerifyResult:
         head = f"{'PASS' if self.passed else 'FAIL'}  {self.name:<26} max err {self.max_error:.1e}"
         tail = f"  {self.message}" if self.message and not self.passed else ""
         return f"{head}  {self.trials:>3} trials  {self.location}{tail}"
-
-
-@dataclass
-class _Instance:
-    shapes: dict
-    attrs: dict
-    tensors: dict
-    dtype: torch.dtype
-    profile: str
-    pattern: object  # the matched side
-    lhs: torch.Tensor  # its value
-
-    def describe(self) -> str:
-        shapes = " ".join(f"{n}={list(s)}" for n, s in self.shapes.items())
-        attrs = "".join(f" {n}={v!r}" for n, v in self.attrs.items())
-        return f"{str(self.dtype)[6:]}, {self.profile} values, {shapes}{attrs}"
 
 
 # ---- entry points ----
@@ -93,7 +77,7 @@ def _verify(rule: Rule, trials: int, seed: int, domain: bool) -> VerifyResult:
         k = t // len(sides)
         dtype, profile = dtypes[k % len(dtypes)], PROFILES[(k // len(dtypes)) % len(PROFILES)]
         inst = _instance(rule, pattern, rng, gen, dtype, profile, domain)
-        outcome = _compare(inst, result) if isinstance(inst, _Instance) else None
+        outcome = compare(inst, result) if isinstance(inst, Instance) else None
         last = inst if isinstance(inst, str) and inst else last
         if outcome is None:
             continue
@@ -142,9 +126,9 @@ def _instance(rule, pattern, rng, gen, dtype, profile, domain):
         if any(v is None for v in tensors.values()):
             continue
         try:
-            return _Instance(shapes, attrs, tensors, dtype, profile, pattern, evaluate(pattern, tensors, attrs))
+            return Instance(shapes, attrs, tensors, dtype, profile, pattern, evaluate(pattern, tensors, attrs))
         except Exception as exc:  # shape rules can be looser than the reference
-            last = _explain(exc)
+            last = explain(exc)
     return last
 
 
@@ -347,86 +331,3 @@ def _interior_value(domain) -> float:
     """A value well inside the domain, to replace draws that rounding pushed out of it."""
     candidates = [v[0] for op, v in domain if op in ("==", "in")] + list(_inside_bounds(domain)) + [1.0, 2.0, -1.0]
     return next((c for c in candidates if bool(_inside(torch.tensor(c, dtype=torch.float64), domain))), 1.0)
-
-
-# ---- comparing ----
-
-def _compare(inst: _Instance, result):
-    """(error, failure message or '', counterexample or '') for one instance; None when the rule would not fire."""
-    try:
-        rhs = evaluate(result, inst.tensors, inst.attrs)
-    except NotApplicable:
-        return None
-    except Exception as exc:
-        what = f"the other side fails: {_explain(exc)}"
-        return math.inf, what, f"{what} on {_inputs(inst)}"
-    lhs = inst.lhs
-    if tuple(lhs.shape) != tuple(rhs.shape):
-        what = f"shapes differ: {list(lhs.shape)} vs {list(rhs.shape)}"
-        return math.inf, what, f"lhs and rhs {what} on {_inputs(inst)}"
-    rtol, atol = max(TOLERANCES[d] for d in (inst.dtype, lhs.dtype, rhs.dtype) if d in TOLERANCES)
-    error, what = _error(lhs.double(), rhs.double(), rtol, atol, _noise(inst, result, lhs, rhs))
-    return error, what, (_worst_element(inst, lhs.double(), rhs.double()) + f" on {_inputs(inst)}" if what else "")
-
-
-def _inputs(inst: _Instance) -> str:
-    """The instance as a user can rebuild it: each input's shape and leading values, then the attributes."""
-    def leading(t):
-        values = [str(bool(v)).lower() if t.dtype == torch.bool else f"{float(v):.4g}" for v in t.flatten()[:4]]
-        return ", ".join(values) + (", ..." if t.numel() > 4 else "")
-    tensors = ", ".join(f"{n}: shape {list(t.shape)} [{leading(t)}]" for n, t in inst.tensors.items())
-    attrs = "".join(f", {n}={v!r}" for n, v in inst.attrs.items())
-    return f"{str(inst.dtype)[6:]} {inst.profile} values {tensors}{attrs}"
-
-
-def _worst_element(inst, a, b) -> str:
-    """Where lhs and rhs differ most (NaN or inf on one side only counts as infinitely far), with the
-    input values there (inputs that broadcast to the output)."""
-    diff = torch.nan_to_num((a - b).abs(), nan=math.inf, posinf=math.inf)
-    diff = torch.where(a.isnan() & b.isnan() | (a == b), torch.zeros_like(diff), diff)
-    at = tuple(int(i) for i in torch.unravel_index(diff.flatten().argmax(), a.shape)) if a.dim() else ()
-    there = []
-    for name, t in inst.tensors.items():
-        try:
-            there.append(f"{name}={float(torch.broadcast_to(t, a.shape)[at]):.6g}")
-        except RuntimeError:  # an input that does not broadcast to the output (a reduction's, a reshape's)
-            pass
-    where = f" where {', '.join(there)}" if there else ""
-    return f"lhs {float(a[at]):.6g} vs rhs {float(b[at]):.6g} at {list(at)}{where} (max |lhs - rhs| " \
-           f"{float(diff.max()):.3g})"
-
-
-def _explain(exc: Exception) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
-
-
-def _noise(inst, result, lhs, rhs):
-    """Below float64, each side's own rounding error (against float64 evaluation) is allowed too."""
-    if inst.dtype == torch.float64:
-        return 0.0
-    wide = {n: t.double() for n, t in inst.tensors.items()}
-    try:
-        lhs64, rhs64 = evaluate(inst.pattern, wide, inst.attrs), evaluate(result, wide, inst.attrs)
-    except Exception:
-        return 0.0
-    parts = [lhs.double(), lhs64.double(), rhs.double(), rhs64.double()]
-    finite = reduce(operator.and_, [torch.isfinite(p) for p in parts])  # overflow is never excused
-    noise = (parts[0] - parts[1]).abs() + (parts[2] - parts[3]).abs()
-    return torch.where(finite, noise, torch.zeros_like(noise))
-
-
-def _error(a, b, rtol, atol, noise):
-    """Pass when |a - b| <= atol + rtol * (output magnitude) + 2 * noise everywhere; NaN matches NaN."""
-    both_nan, finite = a.isnan() & b.isnan(), a.isfinite() & b.isfinite()
-    if bool(((a != b) & ~finite & ~both_nan).any()):
-        return math.inf, "values differ (NaN or inf on one side only, or infs of opposite sign)"
-    if a.numel() == 0:
-        return 0.0, ""
-    zero = torch.zeros_like(a)
-    diff = torch.where(finite, (a - b).abs(), zero)
-    scale = float(torch.where(finite, torch.maximum(a.abs(), b.abs()), zero).max())
-    error = float(diff.max()) / max(1.0, scale)
-    if bool((diff > atol + rtol * scale + 2 * noise).any()):
-        return error, f"values differ by {float(diff.max()):.3g} (output magnitude {scale:.3g})"
-    return error, ""
