@@ -823,16 +823,32 @@ def _int_arith(c: _Ctx, x: Val):
     c.emit(c.d.choice(["{x} + {k}", "{x} * {k}", "{x} - {k}", "{k} - {x}"]).format(x=n, k=k), x)
 
 
+def _constant(c: _Ctx, x: Val):
+    """A mask that reads no input, built as transformers builds attention masks (arange,
+    diff, cumsum, comparisons): compiled, it is folded into a constant (folding.py)."""
+    if x.rank == 0:
+        return _nothing(c, x)
+    n, dev = x.shape[-1], f"device={x.name}.device"
+    mask = c.d.choice([f"(torch.arange({n}, {dev}).cumsum(0) % 3 == 1)",
+                       f"(torch.diff(torch.arange({n}, {dev}), prepend=torch.full((1,), -1, {dev})) == 1)",
+                       f"(torch.arange({n}, {dev})[:, None] >= torch.arange({x.shape[-2] if x.rank >= 2 else 1}, {dev}))"
+                       f".t()" if x.rank >= 2 else f"(torch.arange({n}, {dev}) >= {n // 2})"])
+    if x.kind == "bool":
+        return c.emit(f"{x.name} & {mask}", x)
+    other = repr(c.d.choice([0.0, -1.0, 2.5])) if x.kind == "float" else repr(c.d.choice([0, 1]))
+    return c.emit(f"torch.where({mask}, {x.name}, {other})", x)
+
+
 def _nothing(c: _Ctx, x: Val):
     """No step: the simplest choice, so that shrinking can turn steps it does not need into nothing."""
 
 
 KINDS = {
     "float": [_nothing] + [_unary] * 4 + [_binary] * 4 + [_view] * 4 + [_reduce] * 3 + [_row] * 2 + [_library] * 2
-    + [_compare, _where, _mask_mul, _cast, _aten] + [_rule] * 4,
+    + [_compare, _where, _mask_mul, _cast, _aten, _constant] + [_rule] * 4,
     "int": [_nothing] + [_int_arith] * 4 + [_view, _view, _reduce, _reduce, _compare, _compare, _where, _mask_mul]
-    + [_cast] * 2,
-    "bool": [_nothing, _cast, _cast, _view, _reduce, _where, _where, _compare],
+    + [_cast] * 2 + [_constant],
+    "bool": [_nothing, _cast, _cast, _view, _reduce, _where, _where, _compare, _constant],
 }
 SHAPES = {"BRC": lambda B, R, C: (B, R, C), "RC": lambda B, R, C: (R, C), "C": lambda B, R, C: (C,),
           "R1": lambda B, R, C: (R, 1), "1C": lambda B, R, C: (1, C), "": lambda B, R, C: (),
