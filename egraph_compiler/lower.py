@@ -47,6 +47,46 @@ def illegal_edges(root: Node) -> set[int]:
     return set()
 
 
+MAX_EXPRESSION = 4096  # ops in a kernel's expression with every inline operand written out where it is read
+
+
+def oversized_edges(root: Node) -> set[int]:
+    """An `inline` edge to materialise when the kernel's expression, as the renderers
+    write it (each inline operand written out at every read), exceeds MAX_EXPRESSION
+    ops: a chain of steps that each read their operand twice doubles the source per
+    step (a 600-step random program rendered 1.5 GB of C++).  The edge whose target's
+    copies weigh most (and any whose copies alone exceed the limit); empty when the
+    kernel is small enough."""
+    order, seen = [], set()
+    stack = [(root, False)]
+    while stack:  # post-order over the inline edges
+        n, done = stack.pop()
+        if done:
+            order.append(n)
+        elif id(n) not in seen:
+            seen.add(id(n))
+            stack.append((n, True))
+            stack.extend((t, False) for _, t in inline_edges(n))
+    weight = {id(n): 3 if n.group == "row" else 1 for n in order}  # a row reads its input ~3 times
+    size: dict[int, int] = {}
+    for n in order:
+        size[id(n)] = 1 + sum(size[id(t)] * weight[id(n)] for _, t in inline_edges(n))
+    if size[id(root)] <= MAX_EXPRESSION:
+        return set()
+    copies = {id(root): 1}
+    edge_of: dict[int, int] = {}
+    for n in reversed(order):  # parents before children
+        for edge, t in inline_edges(n):
+            copies[id(t)] = copies.get(id(t), 0) + copies[id(n)] * weight[id(n)]
+            edge_of[id(t)] = id(edge)
+    repeated = [n for n in order if copies[id(n)] >= 2 and id(n) in edge_of]
+    if not repeated:
+        return set()
+    worst = max(repeated, key=lambda n: (copies[id(n)] - 1) * size[id(n)])
+    heavy = {edge_of[id(n)] for n in repeated if copies[id(n)] * size[id(n)] > MAX_EXPRESSION}
+    return heavy | {edge_of[id(worst)]}  # (every target whose copies alone exceed the budget, at once)
+
+
 def lower_kernel(kernel: Kernel, buffer_names: dict[int, str], exact_mean: bool = False) -> LoopKernel:
     """`exact_mean` (a target whose sums are double, Target.exact_mean): a mean is a
     `mean` reduction, its sum divided in double before rounding (see expand_row)."""

@@ -20,7 +20,7 @@ from . import ops
 from .cost import DeviceProfile, itemsize, kernel_cost, op_flops
 from .errors import CodegenError
 from .graph import Graph, Node, topo_order, type_str, view_source
-from .lower import illegal_edges
+from .lower import illegal_edges, oversized_edges
 
 
 
@@ -94,7 +94,9 @@ def make_plan(graph: Graph, profile: DeviceProfile, target, alias_inputs: bool =
     check of lowering names those inline edges, which become materialised."""
     while True:
         plan = _kernels(graph, profile, target, alias_inputs)
-        cut = set().union(*(illegal_edges(k.output) for k in plan.kernels if k.kind == "generated"))
+        # first the size of what the renderers would write (the legality probe walks that too)
+        cut = set().union(*(oversized_edges(k.output) for k in plan.kernels if k.kind == "generated"))
+        cut = cut or set().union(*(illegal_edges(k.output) for k in plan.kernels if k.kind == "generated"))
         if not cut:
             from .sharing import share_results  # it builds on this module's kernels
             return share_results(plan, profile)

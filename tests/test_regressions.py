@@ -594,3 +594,28 @@ def test_an_egraph_that_is_not_the_program_sent_is_refused(monkeypatch):
     monkeypatch.setattr(egg.EgglogSession, "serialized", corrupted)
     with pytest.raises(EgraphCompilerError, match="not the program that was sent"):
         egc.compile(lambda x, y: torch.sin(x * y), [torch.randn(4), torch.randn(4)], iter_limit=0)
+
+
+def test_a_chain_that_reads_each_step_twice_renders_a_bounded_kernel(monkeypatch):
+    """Soak 4242 (a `deep` program): fused steps that each read their operand more than once, written
+    out at every read, doubled the source per step (1.5 GB of C++: g++ killed, a hang for the user).
+    A kernel whose written-out expression would pass lower.MAX_EXPRESSION ops materialises the
+    repeated operand instead (here with a small limit, so that the chain must be cut)."""
+    from egraph_compiler import lower
+    from egraph_compiler.loopir import Call
+
+    def chain(x):
+        for _ in range(24):
+            x = x * x + x
+        return x
+
+    def written(e) -> int:  # ops of an expression written out as a tree
+        return 1 + sum(written(a) for a in e.args) if isinstance(e, Call) else 1
+    x = torch.randn(4, 8) * 0.1
+    unlimited = egc.compile(chain, [x])
+    monkeypatch.setattr(lower, "MAX_EXPRESSION", 64)
+    compiled = egc.compile(chain, [x])
+    assert len(compiled.plan.kernels) > len(unlimited.plan.kernels), str(compiled.plan)
+    assert len(compiled.source) < len(unlimited.source) / 10
+    assert max(written(lk.value) for lk in compiled.loop_kernels) <= 64 * 3
+    torch.testing.assert_close(compiled(x), chain(x), atol=1e-5, rtol=1e-5)
