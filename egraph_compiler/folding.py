@@ -22,7 +22,8 @@ from dataclasses import replace
 import torch
 
 from . import ops
-from .graph import WEAK, Bound, Graph, Node, input_node, topo_order
+from .cost import itemsize
+from .graph import WEAK, Bound, Graph, Node, input_node, rebuild, topo_order
 from .runtime import scalar_tensor, torch_dtype
 
 FOLD_LIMIT_BYTES = 16 << 20
@@ -55,7 +56,10 @@ def fold_constants(graph: Graph, device: torch.device | str = "cpu") -> Graph:
             name += "_"
         bound[name] = Bound(None, name, _evaluate(node, values, device).contiguous())
         replacements[id(node)] = input_node(name, node.shape, node.dtype)
-    return _rebuild(graph, replacements, bound)
+    folded = rebuild(graph, lambda node, args: replacements.get(id(node)))
+    used = {id(n) for n in topo_order(folded.outputs)}
+    inputs = list(graph.inputs) + [n for n in replacements.values() if id(n) in used]
+    return replace(folded, inputs=inputs, bound=bound)
 
 
 def _foldable(node: Node) -> bool:
@@ -71,9 +75,7 @@ def _foldable(node: Node) -> bool:
 
 
 def _bytes(node: Node) -> int:
-    if node.dtype == WEAK:
-        return 1 << 62
-    return node.numel * torch.empty((), dtype=torch_dtype(node.dtype)).element_size()
+    return 1 << 62 if node.dtype == WEAK else node.numel * itemsize(node.dtype)
 
 
 def _evaluate(node: Node, values: dict, device) -> torch.Tensor:
@@ -87,21 +89,3 @@ def _evaluate(node: Node, values: dict, device) -> torch.Tensor:
         out = ops.get(node.op).reference(args, node.a).to(torch_dtype(node.dtype))
     values[id(node)] = out = out.to(device)
     return out
-
-
-def _rebuild(graph: Graph, replacements: dict[int, Node], bound: dict) -> Graph:
-    memo: dict[int, Node] = {}
-    for node in topo_order(graph.outputs):
-        if id(node) in replacements:
-            memo[id(node)] = replacements[id(node)]
-            continue
-        args = tuple(memo[id(a)] for a in node.args)
-        if node.group == "source" or args == node.args:
-            memo[id(node)] = node
-        else:
-            memo[id(node)] = Node.make(node.op, args, node.a, shape=node.shape, dtype=node.dtype)
-    keep = {id(n): n for n in memo.values()}
-    where = {id(memo[k]): v for k, v in graph.where.items() if k in memo}
-    inputs = list(graph.inputs) + [n for n in replacements.values() if id(n) in keep]
-    return replace(graph, inputs=inputs, outputs=tuple(memo[id(o)] for o in graph.outputs), bound=bound,
-                   where={**graph.where, **where})

@@ -9,7 +9,7 @@ ill-shaped term cannot exist.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -297,3 +297,25 @@ def computed_nodes(root: Node):
         seen.add(id(n))
         yield n
         stack.extend(t for _, t in inline_edges(n))
+
+
+def rebuild(graph: "Graph", substitute) -> "Graph":
+    """The graph with every node rebuilt over its rebuilt operands, where
+    `substitute(node, operands)` may give a node's replacement (None: the node
+    itself over the new operands); source lines and e-classes follow."""
+    memo: dict[int, Node] = {}
+    for node in topo_order(graph.outputs):
+        args = tuple(memo[id(a)] for a in node.args)
+        new = substitute(node, args)
+        if new is None:
+            if node.group == "source" or args == node.args:
+                new = node
+            elif node.op == "extern":
+                new = Node.make("extern", args, node.a, shape=node.shape, dtype=node.dtype)
+            else:
+                new = Node.make(node.op, args, node.a)
+        memo[id(node)] = new
+    outputs = tuple(memo[id(o)] for o in graph.outputs)
+    where = {**graph.where, **{id(memo[k]): v for k, v in graph.where.items() if k in memo}}
+    eclass = {**graph.eclass, **{id(memo[k]): v for k, v in graph.eclass.items() if k in memo}}
+    return replace(graph, outputs=outputs, where=where, eclass=eclass)

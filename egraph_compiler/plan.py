@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from . import ops
 from .cost import DeviceProfile, itemsize, kernel_cost, op_flops
 from .errors import CodegenError
-from .graph import Graph, Node, topo_order, type_str, view_source
+from .graph import Graph, Node, rebuild, topo_order, type_str, view_source
 from .lower import illegal_edges, oversized_edges
 
 
@@ -100,7 +100,7 @@ def make_plan(graph: Graph, profile: DeviceProfile, target, alias_inputs: bool =
         if not cut:
             from .sharing import share_results  # it builds on this module's kernels
             return share_results(plan, profile)
-        graph = _rebuild(graph, cut)
+        graph = rebuild(graph, lambda node, args: args[0] if id(node) in cut else None)  # cut edges materialise
 
 
 def _kernels(graph: Graph, profile: DeviceProfile, target, alias_inputs: bool = False) -> Plan:
@@ -139,26 +139,6 @@ def _fallback_entry(node: Node, reason: str, graph: Graph) -> str:
         call = node.attr("target")
         return f"{str(call).split('#')[0]} ({reason}; {call.where})"
     return f"{node.op} ({reason}; {graph.where.get(id(node), 'no source line')})"
-
-
-def _rebuild(graph: Graph, cut: set[int]) -> Graph:
-    """The graph with the `inline` nodes in `cut` replaced by their targets."""
-    memo: dict[int, Node] = {}
-    for node in topo_order(graph.outputs):
-        if id(node) in cut:
-            memo[id(node)] = memo[id(node.args[0])]
-            continue
-        args = tuple(memo[id(a)] for a in node.args)
-        if node.group == "source" or args == node.args:
-            memo[id(node)] = node
-        elif node.op == "extern":
-            memo[id(node)] = Node.make("extern", args, node.a, shape=node.shape, dtype=node.dtype)
-        else:
-            memo[id(node)] = Node.make(node.op, args, node.a)
-    outputs = tuple(memo[id(o)] for o in graph.outputs)
-    where = {**graph.where, **{id(memo[k]): v for k, v in graph.where.items() if k in memo}}
-    eclass = {**graph.eclass, **{id(memo[k]): v for k, v in graph.eclass.items() if k in memo}}
-    return replace(graph, outputs=outputs, where=where, eclass=eclass)
 
 
 def kernel_body(root: Node, stored: frozenset = frozenset()) -> tuple[list[Node], list[Node]]:
