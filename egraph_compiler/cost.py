@@ -42,13 +42,15 @@ def itemsize(dtype: str) -> int:
 
 
 def kernel_cost(flops: float, bytes_moved: float, profile: DeviceProfile, library: bool = False,
-                link: bool = False) -> float:
+                link: bool = False, serial_bytes: float = 0.0) -> float:
     """A kernel's time: the roofline (compute and memory overlap) plus its launch;
-    a collective (`link`): its bytes over the link between processes."""
+    a collective (`link`): its bytes over the link between processes.
+    `serial_bytes` are moved by a separate pass that overlaps nothing (a library
+    call's `extra_passes`)."""
     if link:
         return bytes_moved / profile.link_bandwidth + profile.launch
     peak = profile.library_flops if library else profile.flops
-    return max(flops / peak, bytes_moved / profile.bandwidth) + profile.launch
+    return max(flops / peak, bytes_moved / profile.bandwidth) + serial_bytes / profile.bandwidth + profile.launch
 
 
 def inlined_cost(flops: float, loads: float, profile: DeviceProfile) -> float:
@@ -58,13 +60,24 @@ def inlined_cost(flops: float, loads: float, profile: DeviceProfile) -> float:
 
 
 def additive_kernel_cost(flops: float, loads: float, store: float, profile: DeviceProfile,
-                         library: bool = False, link: bool = False) -> float:
+                         library: bool = False, link: bool = False, serial_bytes: float = 0.0) -> float:
     """`kernel_cost` with compute and memory summed instead of overlapped: the
     linear form the ILP can minimise (an upper bound of kernel_cost)."""
     if link:
         return kernel_cost(flops, loads + store, profile, link=True)
     peak = profile.library_flops if library else profile.flops
-    return flops / peak + (loads + store) / profile.bandwidth + profile.launch
+    return flops / peak + (loads + store + serial_bytes) / profile.bandwidth + profile.launch
+
+
+def extra_passes(op: str, in_shapes) -> int:
+    """Passes over its output that a library call makes beyond writing it once,
+    each a separate pass (charged after the roofline, not overlapped with it).
+    torch's linear with a bias (addmm) first fills the output with the bias, then
+    accumulates the product into it: one more write and one more read than a
+    matmul.  Measured on gpt_block: addmm 25-40% slower than matmul on 2 and 16
+    CPU cores and on the H200, where the bias added in the consumer's generated
+    kernel costs next to nothing (BENCHMARKS.md, "bias in the epilogue")."""
+    return 2 if op == "linear" and len(in_shapes) > 2 and len(in_shapes[2]) >= 1 else 0
 
 
 def op_flops(op: str, out_shape, in_shapes) -> float:

@@ -17,7 +17,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from . import ops
-from .cost import DeviceProfile, itemsize, kernel_cost, op_flops
+from .cost import DeviceProfile, extra_passes, itemsize, kernel_cost, op_flops
 from .errors import CodegenError
 from .graph import Graph, Node, rebuild, topo_order, type_str, view_source
 from .lower import illegal_edges, oversized_edges
@@ -237,8 +237,9 @@ def estimate(kernel: Kernel, profile: DeviceProfile) -> None:
         math.prod(i.shape) * itemsize(i.dtype) for i in kernel.inputs)
     kernel.flops = sum(op_flops(n.op, n.shape, [a.shape for a in n.args]) for n in kernel.ops
                        if n.group not in ("layout", "extern", "boundary", "source"))
+    extra = extra_passes(node.op, [a.shape for a in node.args]) * node.numel * itemsize(node.dtype)
     kernel.seconds = kernel_cost(kernel.flops, kernel.bytes, profile, library=kernel.kind == "library",
-                                 link=node.group == "collective")
+                                 link=node.group == "collective", serial_bytes=extra)
 
 
 class PlanError(CodegenError):

@@ -23,7 +23,7 @@ import sys
 from dataclasses import dataclass, field, replace
 
 from .. import ops
-from ..cost import VIEW_COST, DeviceProfile, inlined_cost, itemsize, kernel_cost, op_flops
+from ..cost import VIEW_COST, DeviceProfile, extra_passes, inlined_cost, itemsize, kernel_cost, op_flops
 from ..errors import CodegenError, UnsoundRuleError
 from ..graph import WEAK, Graph, Node
 from .extract import EClassGraph, ENode
@@ -143,8 +143,9 @@ class KernelExtractor:
         elif group == "layout" and not has_inline:
             cost = VIEW_COST  # a view of a materialised tensor
         else:
+            extra = extra_passes(en.op, [self.eg.shape[c] for c in en.children]) * self.bytes(class_id)
             cost = kernel_cost(flops, loads + self.bytes(class_id), self.profile, library=group == "library",
-                               link=group == "collective")
+                               link=group == "collective", serial_bytes=extra)
         needed = {**needed, class_id: cost}
         total = sum(needed.values())
         old = self.mat.get(class_id)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import highspy
 
 from .. import ops
-from ..cost import VIEW_COST, DeviceProfile, additive_kernel_cost, inlined_cost, op_flops
+from ..cost import VIEW_COST, DeviceProfile, additive_kernel_cost, extra_passes, inlined_cost, op_flops
 from .extract import EClassGraph, ENode
 from .greedy import INLINE_GROUPS, KernelExtractor, Option
 
@@ -60,8 +60,9 @@ def node_cost(ex: KernelExtractor, class_id: str, en: ENode, use: str) -> float 
     if use == MAT and group == "layout" and not inline_children:
         return VIEW_COST
     if use == MAT:
+        extra = extra_passes(en.op, [ex.eg.shape[c] for c in en.children]) * ex.bytes(class_id)
         return additive_kernel_cost(flops, loads, ex.bytes(class_id), profile, library=group == "library",
-                                    link=group == "collective")
+                                    link=group == "collective", serial_bytes=extra)
     return inlined_cost(flops, loads, profile)
 
 
