@@ -135,7 +135,7 @@ class _Kernel:
         k = self.k
         params = ", ".join(p.name for p in k.params)
         lines = ["@triton.jit", f"def {k.name}({params}, XBLOCK: tl.constexpr, RBLOCK: tl.constexpr):",
-                 f"    o = tl.program_id(0) * XBLOCK + tl.arange(0, XBLOCK)[:, None]",
+                 "    o = tl.program_id(0) * XBLOCK + tl.arange(0, XBLOCK)[:, None]",
                  f"    omask = o < {k.outer}"]
         if self.pointwise:
             lines += self._columns("tl.program_id(1) * RBLOCK", "    ")

@@ -23,6 +23,7 @@ import re
 from pathlib import Path
 
 from . import pictures
+from .cost import peak_flops
 from .dsl.parser import FuseRule
 from .dsl.terms import Pat
 from .graph import topo_order, type_str
@@ -94,7 +95,7 @@ def _pattern_ops(term) -> set[str]:
 def _kernel_detail(kernel, loop_text: str, source: str, profile, measured: float | None, where: str) -> str:
     link = kernel.output.group == "collective"  # bytes over the link between processes
     memory = kernel.bytes / (profile.link_bandwidth if link else profile.bandwidth)
-    peak = profile.library_flops if kernel.kind == "library" else profile.flops
+    peak = peak_flops(profile, kernel.kind == "library", kernel.output.op)
     compute = kernel.flops / peak
     bound = "link" if link else "memory" if memory >= compute else "compute"
     rows = [("kind", kernel.kind + (f" (fallback: {kernel.reason})" if kernel.reason else "")),

@@ -239,7 +239,7 @@ def estimate(kernel: Kernel, profile: DeviceProfile) -> None:
                        if n.group not in ("layout", "extern", "boundary", "source"))
     extra = extra_passes(node.op, [a.shape for a in node.args]) * node.numel * itemsize(node.dtype)
     kernel.seconds = kernel_cost(kernel.flops, kernel.bytes, profile, library=kernel.kind == "library",
-                                 link=node.group == "collective", serial_bytes=extra)
+                                 link=node.group == "collective", serial_bytes=extra, op=node.op)
 
 
 class PlanError(CodegenError):

@@ -68,20 +68,32 @@ class Executable:
         return self._structure(results[:self.graph.user_outputs])
 
     @torch.no_grad()
-    def kernel_times(self, *args, reps: int = 5) -> dict[str, float]:
+    def kernel_times(self, *args, reps: int = 5, inner: int = 5) -> dict[str, float]:
         """Median seconds of each wrapper step (a kernel's name; a horizontal group
-        under its first kernel's) over `reps` runs, the device synchronised around
-        each: what `benchmarks/cost_fidelity.py` sets beside the plan's estimates."""
+        under its first kernel's) over `reps` runs: what `benchmarks/cost_fidelity.py`
+        sets beside the plan's estimates.  In each run a step is called once for
+        the result the run goes on with, then `inner` more times back to back,
+        timed as one block with the device synchronised around it: a kernel's
+        steady-state time, as it runs inside a program (its output buffer already
+        touched, its launch overlapped by the previous call's), not one call's
+        latency.  A collective is called once (other processes call it once too)."""
         times: dict[str, list[float]] = {}
         sync = torch.cuda.synchronize if self.target.device == "cuda" else (lambda: None)
+        once = {k.name for k in self.plan.kernels if k.output.group == "collective"}
 
         def timed(step, fn):
             def run(*a):
                 sync()
                 start = time.perf_counter()
                 out = fn(*a)
+                calls = 1 if step in once else inner
+                if calls > 1:
+                    sync()
+                    start = time.perf_counter()
+                    for _ in range(calls):
+                        fn(*a)
                 sync()
-                times.setdefault(step, []).append(time.perf_counter() - start)
+                times.setdefault(step, []).append((time.perf_counter() - start) / calls)
                 return out
             return run
         names = {n: timed(n[1:], f) if n.startswith("_") and not n.startswith("_empty_") else f

@@ -38,3 +38,17 @@ def test_calibration_refuses_a_busy_machines_reading(monkeypatch):
         calibrate._best_seconds(disturbed)
     monkeypatch.setattr(calibrate, "_measure_cpu", lambda: (_ for _ in ()).throw(calibrate._Busy()))
     assert calibrate.measure_cpu() is None
+
+
+def test_library_calls_are_charged_by_class():
+    from egraph_compiler.cost import PROFILES, extra_passes, kernel_cost
+    h200 = PROFILES["h200"]
+    matmul = kernel_cost(1e12, 0.0, h200, library=True, op="matmul")
+    attention = kernel_cost(1e12, 0.0, h200, library=True, op="sdpa")
+    assert attention > matmul > kernel_cost(1e9, 0.0, h200, library=True)  # flash attention: its own, lower rate
+    # addmm fills its output with the bias, then accumulates into it: two more passes, not overlapped
+    assert extra_passes("linear", [(8, 64), (32, 64), (32,)]) == 2
+    assert extra_passes("linear", [(8, 64), (32, 64), ()]) == 0  # no bias: a plain matmul
+    assert extra_passes("matmul", [(8, 64), (64, 32)]) == 0
+    busy = kernel_cost(1e12, 1e6, h200, library=True, op="linear", serial_bytes=2e9)
+    assert busy == pytest.approx(matmul + 2e9 / h200.bandwidth)

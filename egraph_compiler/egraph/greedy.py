@@ -145,7 +145,7 @@ class KernelExtractor:
         else:
             extra = extra_passes(en.op, [self.eg.shape[c] for c in en.children]) * self.bytes(class_id)
             cost = kernel_cost(flops, loads + self.bytes(class_id), self.profile, library=group == "library",
-                               link=group == "collective", serial_bytes=extra)
+                               link=group == "collective", serial_bytes=extra, op=en.op)
         needed = {**needed, class_id: cost}
         total = sum(needed.values())
         old = self.mat.get(class_id)
