@@ -24,6 +24,7 @@ def model_parser(doc: str, models: str, reps: int) -> argparse.ArgumentParser:
     parser.add_argument("--models", default=models)
     parser.add_argument("--reps", type=int, default=reps)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--mode", default=None, help='torch.compile mode for both (e.g. "reduce-overhead": CUDA graphs)')
     return parser
 
 

@@ -138,7 +138,6 @@ def markdown(rows: list[dict]) -> str:
 
 def main(argv=None) -> int:
     parser = model_parser(__doc__, ",".join(MODELS), reps=11)
-    parser.add_argument("--mode", default=None, help='torch.compile mode for both (e.g. "reduce-overhead": CUDA graphs)')
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="also list each variant's N costliest kernels per call (torch.profiler; in --json)")
     args = parser.parse_args(argv)

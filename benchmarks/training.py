@@ -2,7 +2,7 @@
 
     python -m benchmarks.training [--size test|cpu|gpu] [--device cpu|cuda]
                                   [--dtype float32|bfloat16] [--models gpt2,llama_gqa,bert,vit]
-                                  [--reps N] [--json PATH]
+                                  [--reps N] [--mode reduce-overhead] [--json PATH]
 
 One step is forward, loss, backward and an AdamW update of a small random-weight
 `transformers` model in train mode with dropout off (benchmarks.models' configs).
@@ -57,7 +57,7 @@ def bench_model(name: str, args) -> dict:
     _no_dropout(base)
     row: dict = {"model": name, "status": {}, "compile_s": {}, "ms": {}}
     models = {v: copy.deepcopy(base) for v in ("eager", "inductor", "ours")}
-    fns = {v: m if v == "eager" else torch.compile(m, backend="egraph" if v == "ours" else "inductor")
+    fns = {v: m if v == "eager" else torch.compile(m, backend="egraph" if v == "ours" else "inductor", mode=args.mode)
            for v, m in models.items()}
     tol = 2e-3 if dtype == torch.float32 else 5e-2
     torch._dynamo.reset()
@@ -120,7 +120,8 @@ def markdown(rows: list[dict]) -> str:
 def main(argv=None) -> int:
     parser = model_parser(__doc__, "gpt2", reps=7)
     parser.add_argument("--block", type=int, default=3)
-    return run_models("training", parser.parse_args(argv), bench_model, markdown, "training step")
+    args = parser.parse_args(argv)
+    return run_models("training", args, bench_model, markdown, f"training step, mode {args.mode}")
 
 
 if __name__ == "__main__":

@@ -11,9 +11,11 @@ torch by the same semantics the runtime uses (the op table's references, an
 extern's ATen call), and kept on the program's device (a fill names none; a
 0-d CPU tensor may meet CUDA tensors in torch).  Nothing random is folded
 (an op tagged `nondeterministic_seeded`), nor a value larger than
-FOLD_LIMIT_BYTES (the program keeps it for its whole life), nor a program
-output (the caller owns what it gets back), and parameters and buffers are
-inputs, never constants: a model whose weights change keeps seeing them.
+FOLD_LIMIT_BYTES (the program keeps it for its whole life), and parameters
+and buffers are inputs, never constants: a model whose weights change keeps
+seeing them.  A folded value may be a program output (a training forward
+returns the attention mask it saves for backward): the caller gets a copy
+(runtime.Executable._result), never the program's own tensor.
 """
 from __future__ import annotations
 
@@ -43,8 +45,8 @@ def fold_constants(graph: Graph, device: torch.device | str = "cpu") -> Graph:
     for node in order:
         for a in node.args:
             readers.setdefault(id(a), []).append(node)
-    frontier = [n for n in order if id(n) in aten and id(n) not in outputs and _bytes(n) <= FOLD_LIMIT_BYTES
-                and any(id(r) not in constant for r in readers.get(id(n), []))]
+    frontier = [n for n in order if id(n) in aten and _bytes(n) <= FOLD_LIMIT_BYTES
+                and (id(n) in outputs or any(id(r) not in constant for r in readers.get(id(n), [])))]
     if not frontier:
         return graph
     values: dict[int, torch.Tensor] = {}

@@ -217,12 +217,17 @@ class Executable:
             self._scalars[key] = scalar_tensor(const, consumer, self.target.device)
         return self._scalars[key]
 
+    def _constant(self, node: Node) -> bool:
+        """A view of one of the program's own constants (a folded value), not the caller's tensor."""
+        bound = self.graph.bound.get(view_source(node).attr("name"))
+        return bound is not None and bound.module is None
+
     def _result(self, node: Node, env, copy: bool = False) -> torch.Tensor:
         """An output as the caller gets it: `copy` when env's tensors are a CUDA graph's own."""
         value = self._tensor(node, env)
         if node.op == "const":
             return value.clone()
-        if view_source(node).op == "input" and self.plan.alias_inputs and not copy:
+        if view_source(node).op == "input" and self.plan.alias_inputs and not copy and not self._constant(node):
             return value.detach()  # a view of the caller's tensor, as torch returns it
         if copy or view_source(node).op == "input" or not value.is_contiguous():
             return value.clone(memory_format=torch.contiguous_format)  # never alias the caller's tensors

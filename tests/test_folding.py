@@ -1,6 +1,6 @@
 """Constant folding (egraph_compiler/folding.py): what reads no input is
-computed once at compile time; randomness, outputs, large values and
-parameters are left alone."""
+computed once at compile time (program outputs too, handed out as copies);
+randomness, large values and parameters are left alone."""
 import torch
 
 import egraph_compiler as egc
@@ -46,10 +46,12 @@ def test_random_values_are_drawn_on_every_call():
 def test_a_constant_output_is_the_callers_own_each_call():
     def with_positions(x):
         return x + 1, torch.arange(4) * 2
-    compiled = egc.compile(with_positions, [torch.zeros(4)])
-    _, first = compiled(torch.zeros(4))
-    first.add_(100)  # the caller may write into what it gets
-    torch.testing.assert_close(compiled(torch.zeros(4))[1], torch.arange(4) * 2)
+    for alias_inputs in (False, True):  # (training graphs alias their outputs to inputs; never to a constant)
+        compiled = egc.compile(with_positions, [torch.zeros(4)], alias_inputs=alias_inputs)
+        assert folded_inputs(compiled) and not compiled.plan.fallbacks, str(compiled.plan)
+        _, first = compiled(torch.zeros(4))
+        first.add_(100)  # the caller may write into what it gets
+        torch.testing.assert_close(compiled(torch.zeros(4))[1], torch.arange(4) * 2)
 
 
 def test_values_past_the_limit_are_computed_per_call(monkeypatch):
