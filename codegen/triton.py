@@ -22,16 +22,13 @@ from dataclasses import replace
 from egraph_compiler import remote
 from egraph_compiler.cache import cache_dir
 from egraph_compiler.errors import CodegenError, EgraphCompilerError
-from egraph_compiler.loopir import STASH, Affine, Call, Load, LoopKernel, substitute
+from egraph_compiler.loopir import STASH, Affine, Load, LoopKernel, substitute
 
 from .walker import Target, render_expr, render_index
 
 PERSISTENT_MAX = 32768  # longest row kept in registers (87-91% of copy bandwidth at 16k on an H200)
 LOOP_BLOCK = 2048
 POINTWISE_BLOCK = 1024  # elements per program of a pointwise kernel
-# a column reduction (a bias's gradient: the sum over rows of each column) reads rows COLUMN_TILE
-# apart: a program takes COLUMN_TILE[0] adjacent columns, so each row's read is one contiguous run
-COLUMN_TILE = (32, 64)
 TL = {"float32": "tl.float32", "float16": "tl.float16", "bfloat16": "tl.bfloat16", "bool": "tl.int1",
       "int64": "tl.int64", "int32": "tl.int32"}
 
@@ -106,10 +103,6 @@ class _Kernel:
         if self.pointwise:
             self.rblock = min(_pow2(k.inner), POINTWISE_BLOCK)
             self.xblock = max(1, min(POINTWISE_BLOCK // self.rblock, _pow2(k.outer)))
-        elif _column_major(k):  # one column per program would read each element from its own sector
-            self.xblock = min(COLUMN_TILE[0], _pow2(k.outer))
-            self.rblock = min(COLUMN_TILE[1], _pow2(k.inner))
-            self.looped = k.inner > self.rblock
         else:
             self.rblock = LOOP_BLOCK if self.looped else _pow2(k.inner)
             self.xblock = max(1, min(2048 // self.rblock, _pow2(k.outer), 64))
@@ -214,26 +207,6 @@ class _Kernel:
 
     def _cast_out(self, param: str, text: str) -> str:
         return f"tl.cast({text}, {TL[self.types[param]]})"  # tl.cast: a constant value is a Python float
-
-
-def _column_major(k: LoopKernel) -> bool:
-    """A reduction kernel whose reductions read along columns: consecutive inner
-    indices (rows) lie a stride apart, consecutive outer ones (columns) side by side."""
-    strides = [(_stride(e.index, "r"), _stride(e.index, "o")) for red in k.reductions for e in _loads(red.body)
-               if e.param != STASH]
-    return bool(strides) and all(r != 1 for r, _ in strides) and any(r > 1 and o == 1 for r, o in strides)
-
-
-def _stride(index: Affine, var: str) -> int:
-    return sum(c for term, c in index.terms if term[0] == "var" and term[1] == var)
-
-
-def _loads(e):
-    if isinstance(e, Load):
-        yield e
-    elif isinstance(e, Call):
-        for a in e.args:
-            yield from _loads(a)
 
 
 def _stash_index(k: LoopKernel):

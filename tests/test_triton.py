@@ -20,10 +20,9 @@ KERNELS = {
     "layer_norm_relu": (lambda x, w, b: F.layer_norm(x, (16,), w, b).relu(), [(3, 4, 16), (16,), (16,)]),
     "rms_norm": (lambda x, w: F.rms_norm(x, (32,), w, 1e-6), [(4, 32), (32,)]),
     "column_sum": (lambda x: x.sum(0), [(7, 5)]),
-    # a bias's gradient: column tiles (codegen/triton.COLUMN_TILE), looped over 300 rows; a column
-    # max with its NaN flag; a column mean kept for a broadcast back
-    "column_sum_looped": (lambda x: x.sum(0) * 2, [(300, 40)]),
-    "column_amax_looped": (lambda x: x.amax(0), [(130, 3)]),
+    # a bias's gradient, a column max with its NaN flag, a column mean kept for a broadcast back
+    "column_sum_long": (lambda x: x.sum(0) * 2, [(300, 40)]),
+    "column_amax": (lambda x: x.amax(0), [(130, 3)]),
     "column_mean_broadcast": (lambda x: x - x.mean(0, keepdim=True), [(70, 33)]),
     "transposed_softmax": (lambda x: torch.softmax(x, -1).t(), [(8, 8)]),
     "scalar_sum": (lambda x: x.sum(), [(3, 4)]),
