@@ -7,7 +7,8 @@ from __future__ import annotations
 import ctypes
 
 from egraph_compiler.cache import build_shared_object
-from egraph_compiler.loopir import STASH, Acc, LoopKernel, contains
+from egraph_compiler.errors import IndexOutOfRange
+from egraph_compiler.loopir import ERROR_FLAG, STASH, Acc, LoopKernel, contains, has_gather
 
 from .walker import Target, float_literal, render_expr, render_index
 
@@ -70,6 +71,11 @@ template <class T, class S> static inline typename egc_compute<T>::type egc_cast
   }
 }
 static inline float egc_maximum(float a, float b) { return (a != a || a > b) ? a : ((b != b) ? b : std::max(a, b)); }
+// a gather's row: one out of range is never read (row 0 instead), and sets the kernel's error flag
+static inline int64_t egc_row(int64_t i, int64_t rows, int32_t* err) {
+  if (i < 0 || i >= rows) { __atomic_store_n(err, 1, __ATOMIC_RELAXED); return 0; }
+  return i;
+}
 """
 
 def load(source: str, kernels: list[LoopKernel]):
@@ -81,9 +87,26 @@ def load(source: str, kernels: list[LoopKernel]):
     for k in kernels:
         fn = getattr(library, k.name)
         fn.restype = None
-        fn.argtypes = [ctypes.c_void_p] * len(k.params)
-        calls[k.name] = lambda *tensors, fn=fn: fn(*[t.data_ptr() for t in tensors])
+        if has_gather(k):
+            fn.argtypes = [ctypes.c_void_p] * (len(k.params) + 1)
+            calls[k.name] = _checked(fn, k.name)
+        else:
+            fn.argtypes = [ctypes.c_void_p] * len(k.params)
+            calls[k.name] = lambda *tensors, fn=fn: fn(*[t.data_ptr() for t in tensors])
     return calls, compiled_now
+
+
+def _checked(fn, name: str):
+    """A kernel with gathers: its error flag passed last, and read after each call."""
+    flag = (ctypes.c_int32 * 1)()
+    address = ctypes.addressof(flag)
+
+    def call(*tensors):
+        fn(*[t.data_ptr() for t in tensors], address)
+        if flag[0]:
+            flag[0] = 0
+            raise IndexOutOfRange(name)
+    return call
 
 
 
@@ -118,6 +141,8 @@ def _expr(e, types: dict[str, str]) -> str:
 def render_kernel(k: LoopKernel) -> str:
     params = ", ".join(
         f"{'const ' if p.role == 'in' else ''}{CTYPES[p.dtype]}* __restrict__ {p.name}" for p in k.params)
+    if has_gather(k):
+        params += f", int32_t* {ERROR_FLAG}"
     parallel = k.outer > 1 and k.outer * k.inner >= PARALLEL_MIN
     types = {p.name: p.dtype for p in k.params}
     lines = [f'extern "C" void {k.name}({params}) {{']
@@ -183,6 +208,6 @@ TARGET = Target(
     pow_special={2.0: "(({0}) * ({0}))", 0.5: "std::sqrt({0})", 1.0: "({0})", 3.0: "(({0}) * ({0}) * ({0}))",
                  -1.0: "(1.0f / ({0}))"},
     floordiv="/", dtypes=frozenset({"float32", "float16", "bfloat16", "bool", "int64", "int32", "weak"}),
-    dtype_names=CTYPES, int_const=lambda v: f"int64_t({v})",
+    dtype_names=CTYPES, int_const=lambda v: f"int64_t({v})", row="egc_row({row}, {rows}, {err})",
     render=render_program, kernel_source=render_kernel, load=load, exact_mean=True,
 )

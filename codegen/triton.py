@@ -21,8 +21,8 @@ from dataclasses import replace
 
 from egraph_compiler import remote
 from egraph_compiler.cache import cache_dir
-from egraph_compiler.errors import CodegenError, EgraphCompilerError
-from egraph_compiler.loopir import STASH, Affine, Load, LoopKernel, substitute
+from egraph_compiler.errors import CodegenError, EgraphCompilerError, IndexOutOfRange
+from egraph_compiler.loopir import ERROR_FLAG, STASH, Affine, Load, LoopKernel, has_gather, substitute
 
 from .walker import Target, render_expr, render_index
 
@@ -72,6 +72,14 @@ def _egc_pow(a, b):
     m = tl.where((a < 0) & odd, -m, m)
     m = tl.where((a < 0) & ~whole, INF - INF, m)
     return tl.where(a == 0, tl.where(b > 0, 0.0, tl.where(b == 0, 1.0, INF)), m)
+
+
+@triton.jit
+def _egc_row(i, rows, err):  # a gather's row: one out of range is never read, and is reported
+    bad = (i < 0) | (i >= rows)
+    tl.device_assert(bad == 0, "index out of range in embedding")  # on a GPU (the kernel runs with debug)
+    tl.store(err + i * 0, 1, mask=bad)  # and the flag, read after the launch on CPU tensors (the interpreter)
+    return tl.where(bad, 0, i)
 '''
 
 
@@ -88,7 +96,7 @@ _FIELDS = dict(
     pow_special={2.0: "(({0}) * ({0}))", 0.5: "tl.sqrt({0})", 1.0: "({0})", 3.0: "(({0}) * ({0}) * ({0}))",
                  -1.0: "(1.0 / ({0}))"},
     floordiv="//", dtypes=frozenset({"float32", "float16", "bfloat16", "bool", "int64", "int32", "weak"}),
-    dtype_names=TL, int_const=str,
+    dtype_names=TL, int_const=str, row="_egc_row({row}, {rows}, {err})",
 )
 
 
@@ -122,7 +130,7 @@ class _Kernel:
         if e.param == STASH:
             return "stash"
         index = render_index(e.index, TABLE)
-        names = _variables(e.index)
+        names = _variables(e.index) & {"o", "r"}  # (a gather's row is already in range)
         mask = {frozenset(): None, frozenset({"o"}): "omask", frozenset({"r"}): "rmask"}.get(frozenset(names), "mask")
         text = f"tl.load({e.param} + ({index})" + (f", mask={mask}, other=0)" if mask else ")")
         # narrow floats compute in float32; integers stay integers (computed exactly)
@@ -133,7 +141,7 @@ class _Kernel:
 
     def render(self) -> str:
         k = self.k
-        params = ", ".join(p.name for p in k.params)
+        params = ", ".join([p.name for p in k.params] + ([ERROR_FLAG] if has_gather(k) else []))
         lines = ["@triton.jit", f"def {k.name}({params}, XBLOCK: tl.constexpr, RBLOCK: tl.constexpr):",
                  "    o = tl.program_id(0) * XBLOCK + tl.arange(0, XBLOCK)[:, None]",
                  f"    omask = o < {k.outer}"]
@@ -258,8 +266,8 @@ def warm_in_parallel(source: str, kernels: list[LoopKernel]) -> None:
     import json
     import subprocess
     path = _module_path(source)
-    specs = [(k.name, [p.dtype for p in k.params], shape.xblock, shape.rblock, shape.warps)
-             for k in kernels for shape in [_Kernel(k)]]
+    specs = [(k.name, [p.dtype for p in k.params] + (["int32"] if has_gather(k) else []),
+              launch_options(k, shape)) for k in kernels for shape in [_Kernel(k)]]
     workers = min(int(os.environ.get(WORKERS_ENV, "8")), os.cpu_count() or 1, -(-len(specs) // 4))
     children = [subprocess.Popen([sys.executable, "-c", _WARM, str(path), json.dumps(specs[i::workers])],
                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for i in range(workers)]
@@ -275,10 +283,9 @@ spec = importlib.util.spec_from_file_location("egc_warm", path)
 module = importlib.util.module_from_spec(spec)
 sys.modules[spec.name] = module
 spec.loader.exec_module(module)
-for name, dtypes, xblock, rblock, warps in specs:
+for name, dtypes, options in specs:
     try:
-        getattr(module, name).warmup(*[getattr(torch, d) for d in dtypes], grid=(1,), XBLOCK=xblock, RBLOCK=rblock,
-                                     num_warps=warps, enable_fp_fusion=False)
+        getattr(module, name).warmup(*[getattr(torch, d) for d in dtypes], grid=(1,), **options)
     except Exception:
         pass
 """
@@ -296,12 +303,50 @@ def load(source: str, kernels: list[LoopKernel]):
     calls = {}
     for k in kernels:
         shape = _Kernel(k)
-        fn, grid = getattr(module, k.name), shape.grid()
-        # no fused multiply-add: torch rounds every op, and a contracted `x*x - max(x*x)` is
-        # not 0 (exp of it overflows softmax); see tests/test_regressions.py
-        calls[k.name] = (lambda *tensors, fn=fn, grid=grid, x=shape.xblock, r=shape.rblock, w=shape.warps:
-                         fn[grid](*tensors, XBLOCK=x, RBLOCK=r, num_warps=w, enable_fp_fusion=False))
+        fn, grid, options = getattr(module, k.name), shape.grid(), launch_options(k, shape)
+        calls[k.name] = (_checked(fn, grid, options, k.name) if has_gather(k) else
+                         lambda *tensors, fn=fn, grid=grid, options=options: fn[grid](*tensors, **options))
     return calls, compiled_now
+
+
+def launch_options(k: LoopKernel, shape: "_Kernel") -> dict:
+    """Block sizes and compile options of a kernel's launches.  No fused multiply-add: torch
+    rounds every op, and a contracted `x*x - max(x*x)` is not 0 (exp of it overflows
+    softmax; see tests/test_regressions.py).  A kernel with gathers runs with `debug`, so
+    that its device asserts fire (as Inductor's indirect indexing does), without the
+    integer overflow checks that debug would also add where Triton can leave them out."""
+    options = dict(XBLOCK=shape.xblock, RBLOCK=shape.rblock, num_warps=shape.warps, enable_fp_fusion=False)
+    if has_gather(k):
+        options["debug"] = True
+        if _has_option("sanitize_overflow"):
+            options["sanitize_overflow"] = False
+    return options
+
+
+def _has_option(name: str) -> bool:
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    return name in getattr(CUDAOptions, "__dataclass_fields__", {})
+
+
+def _checked(fn, grid, options, name: str):
+    """A kernel with gathers: its error flag (one per device) passed last; on CPU tensors
+    (the interpreter, where device asserts do nothing) the flag is read after the launch."""
+    import torch
+    flags: dict = {}
+
+    def call(*tensors):
+        device = tensors[0].device
+        flag = flags.get(device)
+        if flag is None:
+            flag = flags[device] = torch.zeros(1, dtype=torch.int32, device=device)
+        fn[grid](*tensors, flag, **options)
+        if device.type == "cpu" and flag.item():
+            flag.zero_()
+            raise IndexOutOfRange(name)
+    return call
 
 
 SIGNATURE = {"float32": "*fp32", "float16": "*fp16", "bfloat16": "*bf16", "bool": "*i1", "int64": "*i64",
@@ -323,8 +368,9 @@ def compile_for_gpu(modules: list[tuple[str, list[LoopKernel]]], arch: int = 90)
         path = _module_path(source)
         if not path.exists() or path.read_text() != source:
             _import(source)
-        specs += [(str(path), k.name, {p.name: SIGNATURE[p.dtype] for p in k.params}, shape.xblock, shape.rblock,
-                   shape.warps) for k in kernels for shape in [_Kernel(k)]
+        specs += [(str(path), k.name, {p.name: SIGNATURE[p.dtype] for p in k.params} | (
+                   {ERROR_FLAG: "*i32"} if has_gather(k) else {}), launch_options(k, shape))
+                  for k in kernels for shape in [_Kernel(k)]
                   if f"def {k.name}(" in source]  # (a repeated kernel runs another's code: walker.unique_kernels)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", _GPU_COMPILE, json.dumps(specs), str(arch)],
@@ -338,7 +384,8 @@ import importlib.util, json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 specs, arch, modules = json.loads(sys.argv[1]), int(sys.argv[2]), {}
-for path, name, signature, xblock, rblock, warps in specs:
+for path, name, signature, options in specs:
+    xblock, rblock = options.pop("XBLOCK"), options.pop("RBLOCK")
     if path not in modules:
         spec = importlib.util.spec_from_file_location(f"egc_gpu_check_{len(modules)}", path)
         modules[path] = importlib.util.module_from_spec(spec)
@@ -347,7 +394,7 @@ for path, name, signature, xblock, rblock, warps in specs:
     src = triton.compiler.ASTSource(fn=getattr(modules[path], name), signature=signature | {
         "XBLOCK": "constexpr", "RBLOCK": "constexpr"}, constexprs={"XBLOCK": xblock, "RBLOCK": rblock})
     try:
-        triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps, "enable_fp_fusion": False})
+        triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
     except Exception as exc:
         sys.exit(f"{path}: {name}: {exc}")
 """

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable
 
-from egraph_compiler.loopir import Acc, Affine, Call, Const, Index, Load
+from egraph_compiler.loopir import ERROR_FLAG, Acc, Affine, Call, Const, Gather, Index, Load
 from egraph_compiler.ops import COMPARISONS, INTEGERS
 
 
@@ -32,6 +32,7 @@ class Target:
     render: Callable = None  # loop kernels -> the program's source
     kernel_source: Callable = None  # one loop kernel -> its source alone (reports show it per kernel)
     exact_mean: bool = False  # sums in double, a mean divided before rounding: lowering's `mean` reductions
+    row: str = ""  # a gather's row, checked and clamped: format over {row}, {rows}, {err} (loopir.Gather)
     # (source, loop kernels) -> ({kernel name: callable over torch tensors, inputs then outputs}, compiled_now)
     load: Callable = None
 
@@ -99,6 +100,9 @@ def render_expr(expr, target: Target, load: Callable[[Load], str], acc: Callable
             return f"({render_index(e.index, target)})"
         if isinstance(e, Acc):
             return acc(e.name)
+        if isinstance(e, Gather):
+            row = target.row.format(row=walk(e.row), rows=target.int_const(e.rows), err=ERROR_FLAG)
+            return walk(_bind(e.value, e.var, f"({row})"))
         assert isinstance(e, Call), e
         if e.op == "div" and isinstance(e.args[1], Acc):  # a row-invariant divisor: one reciprocal per row
             reciprocal = target.ops["div"].format(target.const(1.0), acc(e.args[1].name))
@@ -116,6 +120,27 @@ def render_expr(expr, target: Target, load: Callable[[Load], str], acc: Callable
         args = [operand(a, integers and not (e.op == "where" and i == 0)) for i, a in enumerate(e.args)]
         return fmt.format(*args, dtype=target.dtype_names.get(e.dtype, e.dtype))
     return walk(expr)
+
+
+def _bind(e, var: str, text: str):
+    """`e` with the index variable `var` written as `text` (a gather's row) in its loads."""
+    if isinstance(e, Load):
+        return Load(e.param, _bind_index(e.index, var, text))
+    if isinstance(e, Call):
+        return Call(e.op, tuple(_bind(a, var, text) for a in e.args), e.dtype)
+    if isinstance(e, Gather):
+        return Gather(_bind(e.value, var, text), e.var, _bind(e.row, var, text), e.rows)
+    return e
+
+
+def _bind_index(index: Affine, var: str, text: str) -> Affine:
+    terms = []
+    for term, coeff in index.terms:
+        if term[0] == "var":
+            terms.append(((term[0], text if term[1] == var else term[1], term[2]), coeff))
+        else:
+            terms.append(((term[0], _bind_index(term[1], var, text), term[2]), coeff))
+    return Affine(tuple(terms), index.const)
 
 
 def float_literal(value: float, suffix: str, inf: str, nan: str) -> str:

@@ -44,3 +44,12 @@ class ToolchainError(CodegenError):
 
 class EagerFallbackWarning(UserWarning):
     """A compiled program (or graph) ran eagerly instead: said once, never silent."""
+
+
+class IndexOutOfRange(EgraphCompilerError, IndexError):
+    """An embedding's index outside its matrix's rows, found by the generated kernel
+    (which read row 0 instead): the call fails, as torch's embedding does."""
+
+    def __init__(self, kernel: str):
+        super().__init__(f"index out of range in embedding (kernel {kernel}): every index must be at least 0 and "
+                         f"less than the matrix's number of rows")

@@ -132,6 +132,30 @@ class Load:
 
 
 @dataclass(frozen=True)
+class Gather:
+    """`value` (its loads indexed by the variable `var`) with `var` set to the row
+    number that `row` computes (an integer expression: an embedding's index).  A
+    row outside 0..rows-1 is never read: targets clamp it and set the kernel's
+    error flag (`ERROR_FLAG`), which the loader turns into an IndexError."""
+    value: object
+    var: str
+    row: object
+    rows: int
+
+
+ERROR_FLAG = "egc_err"  # the int32 flag a kernel with gathers sets when a row is out of range
+
+
+def has_gather(k: "LoopKernel") -> bool:
+    exprs = [red.body for red in k.reductions] + [k.value] + [s[2] for s in k.extra_stores]
+    return any(_has_gather(e) for e in exprs)
+
+
+def _has_gather(e) -> bool:
+    return isinstance(e, Gather) or (isinstance(e, Call) and any(_has_gather(a) for a in e.args))
+
+
+@dataclass(frozen=True)
 class Index:
     """A loop index's value (a cat reads one operand or the other by position)."""
     index: Affine
@@ -210,6 +234,8 @@ def expr_str(e) -> str:
         return f"index({e.index})"
     if isinstance(e, Acc):
         return e.name
+    if isinstance(e, Gather):
+        return f"{expr_str(e.value)} with {e.var} = row({expr_str(e.row)} of {e.rows})"
     return f"{e.op}(" + ", ".join(expr_str(a) for a in e.args) + ")"
 
 
@@ -219,11 +245,14 @@ def substitute(expr, old, new):
         return new
     if isinstance(expr, Call):
         return Call(expr.op, tuple(substitute(a, old, new) for a in expr.args), expr.dtype)
+    if isinstance(expr, Gather):
+        return Gather(expr.value, expr.var, substitute(expr.row, old, new), expr.rows)
     return expr
 
 
 def contains(expr, sub) -> bool:
-    return expr == sub or (isinstance(expr, Call) and any(contains(a, sub) for a in expr.args))
+    return expr == sub or (isinstance(expr, Call) and any(contains(a, sub) for a in expr.args)) or (
+        isinstance(expr, Gather) and contains(expr.row, sub))
 
 
 def rename_accs(expr, mapping: dict):
@@ -231,6 +260,8 @@ def rename_accs(expr, mapping: dict):
         return Acc(mapping.get(expr.name, expr.name))
     if isinstance(expr, Call):
         return Call(expr.op, tuple(rename_accs(a, mapping) for a in expr.args), expr.dtype)
+    if isinstance(expr, Gather):
+        return Gather(expr.value, expr.var, rename_accs(expr.row, mapping), expr.rows)
     return expr
 
 

@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING
 from .errors import CodegenError
 from .graph import Node, computed_nodes, const, inline_edges
 from .rows import expand_rows
-from .loopir import STASH, Acc, Affine, Call, Const, Index, Load, LoopKernel, Param, Reduction, contains, substitute
+from .loopir import (STASH, Acc, Affine, Call, Const, Gather, Index, Load, LoopKernel, Param, Reduction, contains,
+                     substitute)
 
 if TYPE_CHECKING:
     from .plan import Kernel
@@ -223,6 +224,7 @@ class _Lowering:
         self.reductions: list[Reduction] = []
         self.found: list[tuple[Node, set, int]] = []
         self._accs: dict[tuple, Acc] = {}
+        self._gathers = 0
         self.index = [None] * len(domain)
         if inner_dims is None:
             self.outer = self.inner = 0
@@ -265,6 +267,8 @@ class _Lowering:
             return self.reduction(n, index)
         if n.group == "concat":
             return self.concat(n, index)
+        if n.group == "gather":
+            return self.gather(n, index)
         if n.group != "pointwise":
             raise CodegenError(f"{n.op} cannot be computed inside a generated kernel")
         if n.op == "cast" and n.dtype == "bool":  # nonzero is true, in every target
@@ -287,6 +291,24 @@ class _Lowering:
         second[d] = (i + Affine.of(nb * -(-na // nb) - na)).mod(nb)  # (i - na) mod nb, offset kept >= 0
         return Call("where", (Call("lt", (Index(i), Const(float(na))), "bool"),
                               self.operand(a, first), self.operand(b, second)), n.dtype)
+
+    def gather(self, n: Node, index):
+        """embedding(weight, ids) at (i..., d) is weight[ids[i...], d]; gather(source, ids)
+        along dim at i is source[i with ids[i] along dim].  The row is a variable of its
+        own that the target sets from the index (clamped, checked: loopir.Gather)."""
+        source, ids = n.args
+        if source.op == "inline" and id(source.args[0]) not in self.stored:
+            raise CodegenError(f"{n.op}: its source is read by row number, so it must be in memory")
+        var = f"g{self._gathers}"
+        self._gathers += 1
+        if n.op == "embedding":
+            rows, at, ids_index = source.shape[0], [None, index[-1]], index[:-1]
+        else:
+            d = n.attr("dim") % len(n.shape)
+            rows, at, ids_index = source.shape[d], list(index), index
+            at[d] = None
+        at = [Affine.var(var, rows) if i is None else i for i in at]
+        return Gather(self.operand(source, at), var, self.operand(ids, ids_index), rows)
 
     def reduction(self, node: Node, index):
         """The reduction's value at `index` (of its result): an accumulator over

@@ -12,6 +12,7 @@ Groups:
   reduction reduce over `dims`, optionally `keepdim`
   layout    index remapping only (a view: no arithmetic)
   row       composites computed as one row kernel (softmax, layer_norm, ...)
+  gather    rows of a matrix picked by an integer tensor (embedding): indexed loads
   library   run by a tuned library call (matmul, sdpa, linear)
   collective  a functional collective of torch.distributed (all_reduce, all_gather,
             reduce_scatter, and wait_tensor, which waits for one): a library call
@@ -198,6 +199,21 @@ def linear_shape(shapes, a):
     return matmul_shape([x, w[::-1]], a)
 
 
+def embedding_shape(shapes, a):
+    weight, ids = shapes
+    if len(weight) != 2:
+        raise ShapeError(f"embedding: the weight must be a matrix [rows, dim], got {list(weight)}")
+    return tuple(ids) + (weight[1],)
+
+
+def gather_shape(shapes, a):
+    source, index = shapes
+    if len(source) != len(index) or not -len(source) <= a["dim"] < len(source) or any(
+            i > n for k, (n, i) in enumerate(zip(source, index)) if k != a["dim"] % len(source)):
+        raise ShapeError(f"gather along {a['dim']}: index {list(index)} does not fit {list(source)}")
+    return tuple(index)
+
+
 def leaf_shape(shapes, a):
     return tuple(a.get("shape", ()))
 
@@ -355,6 +371,11 @@ _op("layer_norm", "row", 3, [("ndim", "int"), ("eps", "float")], first_shape, 9,
                               t[2].expand(t[0].shape[-a["ndim"]:]), a["eps"]))
 _op("rms_norm", "row", 2, [("ndim", "int"), ("eps", "float")], first_shape, 5,
     lambda t, a: F.rms_norm(t[0], t[0].shape[-a["ndim"]:], t[1].expand(t[0].shape[-a["ndim"]:]), a["eps"]))
+# rows of a [rows, dim] matrix picked by integer indices of any shape (torch's embedding lookup)
+_op("embedding", "gather", 2, [], embedding_shape, 0, lambda t, a: F.embedding(t[1], t[0]), "first")
+# torch.gather: out[..., i, ...] = source[..., index[..., i, ...], ...] along `dim`
+_op("gather", "gather", 2, [("dim", "int")], gather_shape, 0, lambda t, a: torch.gather(t[0], a["dim"], t[1]),
+    "first")
 # library calls
 _op("matmul", "library", 2, [], matmul_shape, 2, lambda t, a: torch.matmul(t[0], t[1]))
 _op("linear", "library", 3, [], linear_shape, 2, lambda t, a: F.linear(t[0], t[1], t[2]))

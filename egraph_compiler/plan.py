@@ -186,7 +186,7 @@ def kernel_body(root: Node, stored: frozenset = frozenset()) -> tuple[list[Node]
     return body, inputs
 
 
-INTEGER_OPS = frozenset({"add", "sub", "mul", "neg", "where", "cast", "cat"})  # generated exactly in integers
+INTEGER_OPS = frozenset({"add", "sub", "mul", "neg", "where", "cast", "cat", "embedding", "gather"})  # exact in integers
 
 
 def _integral(value: float) -> bool:
@@ -211,7 +211,7 @@ def _integer_reason(body) -> str:
             if fractional:
                 return f"a constant ({fractional[0]}) not exactly an integer in integer {n.op}"
         elif n.op not in ops.COMPARISONS and n.op != "cast":
-            read = n.args[1:] if n.op == "where" else n.args
+            read = n.args[1:] if n.op == "where" else n.args[:1] if n.group == "gather" else n.args
             if any(a.dtype in ops.INTEGERS for a in read):
                 return f"{n.op} of an integer without a cast"
     return ""

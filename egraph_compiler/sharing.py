@@ -19,7 +19,7 @@ from .plan import Kernel, Plan, estimate, kernel_body
 # what a stored value's kernel may compute on the way to it: per-element arithmetic on
 # the first kernel's own loop domain (no reduction or row composite that it would need
 # to evaluate at other indices)
-ELEMENTWISE = frozenset({"pointwise", "layout", "source", "concat", "boundary"})
+ELEMENTWISE = frozenset({"pointwise", "layout", "source", "concat", "boundary", "gather"})
 
 
 def share_results(plan: Plan, profile: DeviceProfile) -> Plan:

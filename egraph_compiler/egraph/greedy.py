@@ -28,7 +28,7 @@ from ..errors import CodegenError, UnsoundRuleError
 from ..graph import WEAK, Graph, Node
 from .extract import EClassGraph, ENode
 
-INLINE_GROUPS = {"pointwise", "reduction", "layout", "row", "source", "concat"}
+INLINE_GROUPS = {"pointwise", "reduction", "layout", "row", "source", "concat", "gather"}
 
 
 @dataclass
@@ -98,8 +98,8 @@ class KernelExtractor:
         loads, needed, inlined = 0.0, {}, frozenset()
         for child in en.children:
             if child in self.inline_of:
-                if group in ops.CALLS:
-                    return None
+                if group in ops.CALLS or (group == "gather" and child == en.children[0]):
+                    return None  # (a gather indexes its matrix in memory)
                 option = self.inl.get(self.inline_of[child])
                 if option is None:
                     return None

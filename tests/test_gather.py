@@ -1,0 +1,104 @@
+"""Gathers in generated code (loopir.Gather): embedding lookups, torch.gather and
+index_select read rows by index inside a kernel, fused with what consumes them;
+an index out of range is an error, never a read out of bounds; on both targets."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import egraph_compiler as egc
+from egraph_compiler.errors import IndexOutOfRange
+
+TARGETS = ["cpu", "triton"]
+
+
+def token_and_position(ids, table, positions, w, b):
+    """GPT-2's input: token rows plus position rows, then the first layer norm."""
+    h = F.embedding(ids, table) + F.embedding(torch.arange(ids.shape[-1]), positions)
+    return F.layer_norm(h, (table.shape[1],), w, b)
+
+
+def inputs(ids_dtype=torch.int64, dtype=torch.float32):
+    torch.manual_seed(0)
+    return [torch.randint(0, 50, (2, 8), dtype=ids_dtype), torch.randn(50, 16, dtype=dtype),
+            torch.randn(8, 16, dtype=dtype), torch.randn(16, dtype=dtype), torch.randn(16, dtype=dtype)]
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("ids_dtype", [torch.int64, torch.int32])
+def test_embeddings_and_norm_are_one_kernel(target, ids_dtype):
+    args = inputs(ids_dtype)
+    compiled = egc.compile(token_and_position, args, target=target)
+    assert [k.kind for k in compiled.plan.kernels] == ["generated"], str(compiled.plan)
+    assert compiled.plan.count("embedding") == 2 and not compiled.plan.fallbacks
+    torch.testing.assert_close(compiled(*args), token_and_position(*args))
+    args[0] = torch.randint(0, 50, (2, 8), dtype=ids_dtype)  # other indices, same program
+    torch.testing.assert_close(compiled(*args), token_and_position(*args))
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("bad", [50, 1000, -1])
+def test_an_index_out_of_range_is_an_error_not_a_read(target, bad):
+    args = inputs()
+    compiled = egc.compile(token_and_position, args, target=target)
+    wrong = [a.clone() for a in args]
+    wrong[0][1, 3] = bad
+    with pytest.raises(IndexError, match="index out of range in embedding"):
+        compiled(*wrong)
+    with pytest.raises(IndexError):  # as torch itself says
+        token_and_position(*wrong)
+    torch.testing.assert_close(compiled(*args), token_and_position(*args))  # the flag was reset
+    assert issubclass(IndexOutOfRange, IndexError)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_bf16_table(target):
+    args = inputs(dtype=torch.bfloat16)
+    compiled = egc.compile(token_and_position, args, target=target)
+    assert not compiled.plan.fallbacks, str(compiled.plan)
+    expected = token_and_position(*[a.float() if a.is_floating_point() else a for a in args])
+    torch.testing.assert_close(compiled(*args).float(), expected, atol=5e-2, rtol=5e-2)
+
+
+GATHERS = {
+    "along_last": (lambda x, i: torch.gather(x, 1, i) * 2, [(3, 7), (3, 5, 7)]),
+    "along_first": (lambda x, i: torch.gather(x, 0, i).exp(), [(3, 7), (2, 7, 3)]),
+    "of_a_transposed_view": (lambda x, i: torch.gather(x.t(), 0, i) + 1, [(3, 7), (4, 3, 7)]),
+    "index_select": (lambda x, i: torch.index_select(x, 0, i).relu(), [(9, 4), (6, 9)]),
+    "a_single_row": (lambda x, i: F.embedding(i, x) - 1, [(1, 5), (4, 1)]),
+    "no_indices": (lambda x, i: F.embedding(i, x) * 3, [(6, 5), (0, 6)]),
+}
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("name", sorted(GATHERS))
+def test_gathers_match_eager(target, name):
+    fn, (source, (*index, high)) = GATHERS[name]
+    torch.manual_seed(1)
+    args = [torch.randn(source), torch.randint(0, high, tuple(index))]
+    compiled = egc.compile(fn, args, target=target)
+    assert not compiled.plan.fallbacks, str(compiled.plan)
+    torch.testing.assert_close(compiled(*args), fn(*args))
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_gathered_indices_pick_rows(target):
+    """BERT's token types: gather integer indices from a buffer, then look rows up by them."""
+    def token_types(buffer, positions, table):
+        return F.embedding(torch.gather(buffer, 1, positions), table) * 2
+    args = [torch.tensor([[0, 1, 1, 0, 2]]), torch.tensor([[4, 3, 2, 1, 0, 0]]), torch.randn(3, 8)]
+    compiled = egc.compile(token_types, args, target=target)
+    assert [k.kind for k in compiled.plan.kernels] == ["generated"], str(compiled.plan)
+    torch.testing.assert_close(compiled(*args), token_types(*args))
+
+
+def test_gather_kernels_compile_for_an_h200_without_a_gpu():
+    """Through Triton's GPU compiler (sm_90), with the device assert that debug keeps."""
+    pytest.importorskip("triton")
+    from egraph_compiler.codegen.triton import compile_for_gpu
+    modules = []
+    for dtype in (torch.float32, torch.bfloat16):
+        compiled = egc.compile(token_and_position, inputs(dtype=dtype), target="triton")
+        modules.append((compiled.source, compiled.loop_kernels))
+    fn, (source, (*index, high)) = GATHERS["of_a_transposed_view"]
+    compiled = egc.compile(fn, [torch.randn(source), torch.randint(0, high, tuple(index))], target="triton")
+    compile_for_gpu(modules + [(compiled.source, compiled.loop_kernels)])
