@@ -21,7 +21,7 @@ from dataclasses import replace
 
 from egraph_compiler import remote
 from egraph_compiler.cache import cache_dir
-from egraph_compiler.errors import CodegenError, EgraphCompilerError, IndexOutOfRange
+from egraph_compiler.errors import EgraphCompilerError, IndexOutOfRange
 from egraph_compiler.loopir import ERROR_FLAG, STASH, Affine, Load, LoopKernel, has_gather, substitute
 
 from .walker import Target, render_expr, render_index
@@ -253,50 +253,13 @@ def _import(source: str):
     return module
 
 
-WARM_MIN_KERNELS = 8  # fewer kernels compile faster in this process than a child Python starts
-WORKERS_ENV = "EGC_COMPILE_WORKERS"  # child processes that compile a module's kernels (0: none); default 8
-
-
-def warm_in_parallel(source: str, kernels: list[LoopKernel]) -> None:
-    """Compile a module's kernels for this machine's GPU in child processes
-    (as Inductor's compile workers do): each child runs `warmup` on its share,
-    which stores the binaries in Triton's on-disk cache, where this process's
-    first launch finds them.  Best effort: a kernel a child did not compile is
-    compiled at its first launch, as before (errors surface there)."""
-    import json
-    import subprocess
-    path = _module_path(source)
-    specs = [(k.name, [p.dtype for p in k.params] + (["int32"] if has_gather(k) else []),
-              launch_options(k, shape)) for k in kernels for shape in [_Kernel(k)]]
-    workers = min(int(os.environ.get(WORKERS_ENV, "8")), os.cpu_count() or 1, -(-len(specs) // 4))
-    children = [subprocess.Popen([sys.executable, "-c", _WARM, str(path), json.dumps(specs[i::workers])],
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for i in range(workers)]
-    for child in children:
-        child.wait()
-
-
-_WARM = """
-import importlib.util, json, sys
-import torch
-path, specs = sys.argv[1], json.loads(sys.argv[2])
-spec = importlib.util.spec_from_file_location("egc_warm", path)
-module = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = module
-spec.loader.exec_module(module)
-for name, dtypes, options in specs:
-    try:
-        getattr(module, name).warmup(*[getattr(torch, d) for d in dtypes], grid=(1,), **options)
-    except Exception:
-        pass
-"""
-
-
 def load(source: str, kernels: list[LoopKernel]):
     """Write the module into the cache (Triton reads a kernel's source from its
     file), import it, and wrap each kernel as a launch over its grid."""
     share_triton_cache()
     compiled_now = not _module_path(source).exists()
     module = _import(source)
+    from .triton_build import WARM_MIN_KERNELS, WORKERS_ENV, warm_in_parallel
     if (compiled_now and len(kernels) >= WARM_MIN_KERNELS and os.environ.get(WORKERS_ENV, "8") != "0"
             and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")):
         warm_in_parallel(source, kernels)
@@ -347,57 +310,6 @@ def _checked(fn, grid, options, name: str):
             flag.zero_()
             raise IndexOutOfRange(name)
     return call
-
-
-SIGNATURE = {"float32": "*fp32", "float16": "*fp16", "bfloat16": "*bf16", "bool": "*i1", "int64": "*i64",
-             "int32": "*i32"}
-
-
-def compile_for_gpu(modules: list[tuple[str, list[LoopKernel]]], arch: int = 90) -> None:
-    """Compile every kernel of rendered modules, (source, loop kernels) pairs,
-    for an NVIDIA GPU of this compute capability, down to a cubin, on any
-    machine (no GPU needed): what the interpreter accepts and a GPU's compiler
-    refuses (types, constants) fails here.  Runs in one child Python without
-    TRITON_INTERPRET (which replaces triton.language's own functions in this
-    process); raises CodegenError with the compiler's message and the module."""
-    import json
-    import subprocess
-    share_triton_cache()
-    specs = []
-    for source, kernels in modules:
-        path = _module_path(source)
-        if not path.exists() or path.read_text() != source:
-            _import(source)
-        specs += [(str(path), k.name, {p.name: SIGNATURE[p.dtype] for p in k.params} | (
-                   {ERROR_FLAG: "*i32"} if has_gather(k) else {}), launch_options(k, shape))
-                  for k in kernels for shape in [_Kernel(k)]
-                  if f"def {k.name}(" in source]  # (a repeated kernel runs another's code: walker.unique_kernels)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", _GPU_COMPILE, json.dumps(specs), str(arch)],
-                          env=env, capture_output=True, text=True)
-    if done.returncode:
-        raise CodegenError(f"Triton refuses a kernel for sm_{arch}:\n{done.stderr[-3000:]}")
-
-
-_GPU_COMPILE = """
-import importlib.util, json, sys
-import triton
-from triton.backends.compiler import GPUTarget
-specs, arch, modules = json.loads(sys.argv[1]), int(sys.argv[2]), {}
-for path, name, signature, options in specs:
-    xblock, rblock = options.pop("XBLOCK"), options.pop("RBLOCK")
-    if path not in modules:
-        spec = importlib.util.spec_from_file_location(f"egc_gpu_check_{len(modules)}", path)
-        modules[path] = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = modules[path]
-        spec.loader.exec_module(modules[path])
-    src = triton.compiler.ASTSource(fn=getattr(modules[path], name), signature=signature | {
-        "XBLOCK": "constexpr", "RBLOCK": "constexpr"}, constexprs={"XBLOCK": xblock, "RBLOCK": rblock})
-    try:
-        triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
-    except Exception as exc:
-        sys.exit(f"{path}: {name}: {exc}")
-"""
 
 
 TABLE = Target(name="cuda", device="cuda", render=render_program, kernel_source=lambda k: _Kernel(k).render(),

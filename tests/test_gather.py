@@ -94,7 +94,7 @@ def test_gathered_indices_pick_rows(target):
 def test_gather_kernels_compile_for_an_h200_without_a_gpu():
     """Through Triton's GPU compiler (sm_90), with the device assert that debug keeps."""
     pytest.importorskip("triton")
-    from egraph_compiler.codegen.triton import compile_for_gpu
+    from egraph_compiler.codegen.triton_build import compile_for_gpu
     modules = []
     for dtype in (torch.float32, torch.bfloat16):
         compiled = egc.compile(token_and_position, inputs(dtype=dtype), target="triton")

@@ -228,7 +228,7 @@ def test_triton_kernels_compiled_on_one_machine_are_fetched_on_another(shared, t
     """Triton's compiled kernels (for an H200, compiled here without a GPU) go through
     the shared cache: a second "machine" with an empty Triton cache fetches every file
     and compiles nothing (Redis receives no SET from it)."""
-    from egraph_compiler.codegen.triton import compile_for_gpu
+    from egraph_compiler.codegen.triton_build import compile_for_gpu
     from egraph_compiler import workloads
     modules = []
     for name in ("softmax", "ln_relu"):

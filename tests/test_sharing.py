@@ -95,7 +95,7 @@ def test_a_value_computed_by_one_later_kernel_only_is_not_stored():
 def test_stored_streams_compile_for_an_h200_without_a_gpu():
     """The row kernels with an extra store go through Triton's GPU compiler (sm_90)."""
     pytest.importorskip("triton")
-    from egraph_compiler.codegen.triton import compile_for_gpu
+    from egraph_compiler.codegen.triton_build import compile_for_gpu
     modules = []
     for dtype in (torch.float32, torch.bfloat16):
         compiled = egc.compile(residual_stream, inputs(dtype), target="triton")

@@ -87,7 +87,7 @@ def test_kernels_compile_for_an_h200_without_a_gpu():
     """Every Triton kernel of the workloads (float32 and bfloat16) and of a training step (forward
     and backward graphs, with constant fills and casts) is compiled for sm_90 down to a cubin:
     the interpreter accepts constructs a GPU's compiler refuses (`(0.0).to(...)` did)."""
-    from egraph_compiler.codegen.triton import compile_for_gpu
+    from egraph_compiler.codegen.triton_build import compile_for_gpu
     modules = []
     for dtype in (torch.float32, torch.bfloat16):
         for name in workloads.NAMES:
