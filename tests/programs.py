@@ -839,16 +839,36 @@ def _constant(c: _Ctx, x: Val):
     return c.emit(f"torch.where({mask}, {x.name}, {other})", x)
 
 
+def _gather(c: _Ctx, x: Val):
+    """Elements picked by index (loopir.Gather): torch.gather along a dim, an embedding
+    lookup of x's rows, index_select; the indices from a pattern that reads no input
+    (folded into a constant) or from an integer value of the program, brought in range."""
+    if x.rank == 0 or 0 in x.shape:
+        return _nothing(c, x)
+    s, dev = tuple(x.shape), f"device={x.name}.device"
+    form = c.d.choice(["gather", "index_select"] + (["embedding"] if x.rank == 2 else []))
+    if form == "gather":
+        d = c.d.integer(0, x.rank - 1)
+        y = c.partner(lambda v: v.kind == "int" and tuple(v.shape) == s) if c.d.flag() else None
+        idx = (f"({y.name}.abs() % {s[d]})" if y is not None else
+               f"(torch.arange({math.prod(s)}, {dev}).reshape({s}) * {c.d.choice([7, 1, 3])} % {s[d]})")
+        return c.emit(f"torch.gather({x.name}, {c.d.choice([d, d - x.rank])}, {idx})", x)
+    idx = f"((torch.arange({s[0]}, {dev}) * {c.d.choice([5, 1, 2])} + 1) % {s[0]})"
+    if form == "embedding":
+        return c.emit(f"F.embedding({idx}, {x.name})", x)
+    return c.emit(f"torch.index_select({x.name}, 0, {idx})", x)
+
+
 def _nothing(c: _Ctx, x: Val):
     """No step: the simplest choice, so that shrinking can turn steps it does not need into nothing."""
 
 
 KINDS = {
     "float": [_nothing] + [_unary] * 4 + [_binary] * 4 + [_view] * 4 + [_reduce] * 3 + [_row] * 2 + [_library] * 2
-    + [_compare, _where, _mask_mul, _cast, _aten, _constant] + [_rule] * 4,
+    + [_compare, _where, _mask_mul, _cast, _aten, _constant, _gather] + [_rule] * 4,
     "int": [_nothing] + [_int_arith] * 4 + [_view, _view, _reduce, _reduce, _compare, _compare, _where, _mask_mul]
-    + [_cast] * 2 + [_constant],
-    "bool": [_nothing, _cast, _cast, _view, _reduce, _where, _where, _compare, _constant],
+    + [_cast] * 2 + [_constant, _gather],
+    "bool": [_nothing, _cast, _cast, _view, _reduce, _where, _where, _compare, _constant, _gather],
 }
 SHAPES = {"BRC": lambda B, R, C: (B, R, C), "RC": lambda B, R, C: (R, C), "C": lambda B, R, C: (C,),
           "R1": lambda B, R, C: (R, 1), "1C": lambda B, R, C: (1, C), "": lambda B, R, C: (),
