@@ -1109,6 +1109,8 @@ def _compare_leaf(i, e, r, g, near: bool, others=()) -> Outcome | None:
         fin = torch.isfinite(r64)
         if bool((~torch.isfinite(e64) & fin).any()):
             return Outcome("ill", f"output {i}: {e.dtype} overflows where float64 does not", "overflow")
+        if bool((torch.isfinite(e64) & ~fin).any()):  # (x - x is 0 in float32 and NaN in float64 past its range)
+            return Outcome("ill", f"output {i}: float64 is not finite where {e.dtype} is", "eager-error")
         err_e = torch.zeros_like(r64)
         for o in (e, *others):
             if isinstance(o, torch.Tensor) and o.shape == e.shape and o.is_floating_point():
