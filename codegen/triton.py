@@ -24,6 +24,7 @@ from egraph_compiler.cache import cache_dir
 from egraph_compiler.errors import EgraphCompilerError, IndexOutOfRange
 from egraph_compiler.loopir import ERROR_FLAG, STASH, Affine, Load, LoopKernel, has_gather, substitute
 
+from . import triton_split
 from .walker import Target, render_expr, render_index
 
 PERSISTENT_MAX = 32768  # longest row kept in registers (87-91% of copy bandwidth at 16k on an H200)
@@ -117,6 +118,10 @@ class _Kernel:
         self.warps = 8 if self.rblock * self.xblock >= 4096 else 4
         if self.rblock >= 8192:
             self.warps = 16
+        self.split, self.chunk = triton_split.split_rows(k)
+        if self.split > 1:  # a column reduction over many rows: partial sums, then their sum (triton_split.py)
+            self.xblock, self.rblock = triton_split.SPLIT_TILE
+            self.looped, self.warps = True, 4
 
     def stores(self):
         k = self.k
@@ -142,6 +147,8 @@ class _Kernel:
     def render(self) -> str:
         k = self.k
         params = ", ".join([p.name for p in k.params] + ([ERROR_FLAG] if has_gather(k) else []))
+        if self.split > 1:
+            return triton_split.render(self, params, self._outer_stores())
         lines = ["@triton.jit", f"def {k.name}({params}, XBLOCK: tl.constexpr, RBLOCK: tl.constexpr):",
                  "    o = tl.program_id(0) * XBLOCK + tl.arange(0, XBLOCK)[:, None]",
                  f"    omask = o < {k.outer}"]
@@ -161,11 +168,13 @@ class _Kernel:
                 lines += self._inner_stores("        ")
             else:
                 lines += self._inner_stores("    ")
-        for param, index, value, in_inner in stores:
-            if not in_inner:
-                lines.append(f"    tl.store({param} + ({render_index(index, TABLE)}) + o * 0, "
-                             f"{self._cast_out(param, self.expr(value))}, mask=omask)")
-        return "\n".join(lines)
+        return "\n".join(lines + self._outer_stores())
+
+    def _outer_stores(self) -> list[str]:
+        """The stores made once per outer index (a reduction's result)."""
+        return [f"    tl.store({param} + ({render_index(index, TABLE)}) + o * 0, "
+                f"{self._cast_out(param, self.expr(value))}, mask=omask)"
+                for param, index, value, in_inner in self.stores() if not in_inner]
 
     def _columns(self, start: str, pad: str) -> list[str]:
         return [f"{pad}r = {start} + tl.arange(0, RBLOCK)[None, :]", f"{pad}rmask = r < {self.k.inner}",
@@ -266,10 +275,23 @@ def load(source: str, kernels: list[LoopKernel]):
     calls = {}
     for k in kernels:
         shape = _Kernel(k)
-        fn, grid, options = getattr(module, k.name), shape.grid(), launch_options(k, shape)
-        calls[k.name] = (_checked(fn, grid, options, k.name) if has_gather(k) else
-                         lambda *tensors, fn=fn, grid=grid, options=options: fn[grid](*tensors, **options))
+        options = launch_options(k, shape)
+        if shape.split > 1:
+            run = triton_split.launcher(module, k, shape, options)
+        else:
+            run = (lambda tensors, extra, fn=getattr(module, k.name), grid=shape.grid(), options=options:
+                   fn[grid](*tensors, *extra, **options))
+        calls[k.name] = _checked(run, k.name) if has_gather(k) else (lambda *tensors, run=run: run(tensors, ()))
     return calls, compiled_now
+
+
+def kernel_functions(k: LoopKernel, shape: "_Kernel") -> list[tuple[str, list[tuple[str, str]]]]:
+    """A loop kernel's Triton functions, each with its parameters (name, dtype) in order."""
+    params = [(p.name, p.dtype) for p in k.params] + ([(ERROR_FLAG, "int32")] if has_gather(k) else [])
+    if shape.split > 1:
+        params.append((triton_split.WORKSPACE, "float32"))
+        return [(f"{k.name}_part", params), (k.name, params)]
+    return [(k.name, params)]
 
 
 def launch_options(k: LoopKernel, shape: "_Kernel") -> dict:
@@ -294,9 +316,9 @@ def _has_option(name: str) -> bool:
     return name in getattr(CUDAOptions, "__dataclass_fields__", {})
 
 
-def _checked(fn, grid, options, name: str):
-    """A kernel with gathers: its error flag (one per device) passed last; on CPU tensors
-    (the interpreter, where device asserts do nothing) the flag is read after the launch."""
+def _checked(run, name: str):
+    """A kernel with gathers: its error flag (one per device) passed after its tensors; on CPU
+    tensors (the interpreter, where device asserts do nothing) it is read after the launch."""
     import torch
     flags: dict = {}
 
@@ -305,7 +327,7 @@ def _checked(fn, grid, options, name: str):
         flag = flags.get(device)
         if flag is None:
             flag = flags[device] = torch.zeros(1, dtype=torch.int32, device=device)
-        fn[grid](*tensors, flag, **options)
+        run(tensors, (flag,))
         if device.type == "cpu" and flag.item():
             flag.zero_()
             raise IndexOutOfRange(name)

@@ -11,9 +11,9 @@ import subprocess
 import sys
 
 from egraph_compiler.errors import CodegenError
-from egraph_compiler.loopir import ERROR_FLAG, LoopKernel, has_gather
+from egraph_compiler.loopir import LoopKernel
 
-from .triton import _Kernel, _import, _module_path, launch_options, share_triton_cache
+from .triton import _Kernel, _import, _module_path, kernel_functions, launch_options, share_triton_cache
 
 WARM_MIN_KERNELS = 8  # fewer kernels compile faster in this process than a child Python starts
 WORKERS_ENV = "EGC_COMPILE_WORKERS"  # child processes that compile a module's kernels (0: none); default 8
@@ -26,8 +26,8 @@ def warm_in_parallel(source: str, kernels: list[LoopKernel]) -> None:
     first launch finds them.  Best effort: a kernel a child did not compile is
     compiled at its first launch, as before (errors surface there)."""
     path = _module_path(source)
-    specs = [(k.name, [p.dtype for p in k.params] + (["int32"] if has_gather(k) else []),
-              launch_options(k, shape)) for k in kernels for shape in [_Kernel(k)]]
+    specs = [(name, [dtype for _, dtype in params], launch_options(k, shape))
+             for k in kernels for shape in [_Kernel(k)] for name, params in kernel_functions(k, shape)]
     workers = min(int(os.environ.get(WORKERS_ENV, "8")), os.cpu_count() or 1, -(-len(specs) // 4))
     children = [subprocess.Popen([sys.executable, "-c", _WARM, str(path), json.dumps(specs[i::workers])],
                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for i in range(workers)]
@@ -68,9 +68,8 @@ def compile_for_gpu(modules: list[tuple[str, list[LoopKernel]]], arch: int = 90)
         path = _module_path(source)
         if not path.exists() or path.read_text() != source:
             _import(source)
-        specs += [(str(path), k.name, {p.name: SIGNATURE[p.dtype] for p in k.params} | (
-                   {ERROR_FLAG: "*i32"} if has_gather(k) else {}), launch_options(k, shape))
-                  for k in kernels for shape in [_Kernel(k)]
+        specs += [(str(path), name, {p: SIGNATURE[dtype] for p, dtype in params}, launch_options(k, shape))
+                  for k in kernels for shape in [_Kernel(k)] for name, params in kernel_functions(k, shape)
                   if f"def {k.name}(" in source]  # (a repeated kernel runs another's code: walker.unique_kernels)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", _GPU_COMPILE, json.dumps(specs), str(arch)],

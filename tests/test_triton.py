@@ -24,6 +24,11 @@ KERNELS = {
     "column_sum_long": (lambda x: x.sum(0) * 2, [(300, 40)]),
     "column_amax": (lambda x: x.amax(0), [(130, 3)]),
     "column_mean_broadcast": (lambda x: x - x.mean(0, keepdim=True), [(70, 33)]),
+    # over 1024 rows: partial sums over row chunks, then their sum (codegen/triton_split.py); of
+    # positive terms (a sum of 3000 signed ones cancels to where any two orders differ by 1e-5)
+    "column_sum_split": (lambda x: x.abs().sum(0) * 2, [(3000, 40)]),
+    "bias_grad_split": (lambda x: x.abs().sum((0, 1)), [(3, 700, 24)]),
+    "column_sums_split": (lambda x: x.abs().sum(0) + (x * x).mean(0), [(1500, 70)]),
     "transposed_softmax": (lambda x: torch.softmax(x, -1).t(), [(8, 8)]),
     "scalar_sum": (lambda x: x.sum(), [(3, 4)]),
     "activations": (lambda x: F.gelu(x) + F.gelu(x, approximate="tanh") + torch.tanh(x) + F.silu(x), [(64,)]),
@@ -110,3 +115,14 @@ def test_kernels_compile_for_an_h200_without_a_gpu():
     with pytest.raises(EgraphCompilerError, match="k0"):  # and it can fail: a kernel Triton refuses
         source, loops = modules[0]
         compile_for_gpu([(source.replace("tl.load(", "tl.lod(", 1), loops)])
+
+
+def test_split_column_sums_compile_for_an_h200_without_a_gpu():
+    from egraph_compiler.codegen.triton_build import compile_for_gpu
+    modules = []
+    for fn, shapes in (KERNELS["column_sum_split"], KERNELS["column_sums_split"]):
+        for dtype in (torch.float32, torch.bfloat16):
+            compiled = egc.compile(fn, [torch.randn(s, dtype=dtype) for s in shapes], target="triton")
+            assert "_part(" in compiled.source
+            modules.append((compiled.source, compiled.loop_kernels))
+    compile_for_gpu(modules)
