@@ -1,10 +1,11 @@
 """Device profiles for the cost model: the H200's measured ceilings, and this
 CPU's, calibrated on first use by a short measurement and cached on disk.
 
-The measurement (about a second, and one C++ compile, cached): copy bandwidth
+The measurement (about a second, and three C++ compiles, cached): copy bandwidth
 (a 64 MB copy), the rate generated code reaches in the op table's FLOP units (a
-compiled chain of multiply-adds), matmul FLOP rate (what the library reaches),
-and the fixed cost of one kernel call.  Each is the best of nine runs, and a
+compiled chain of multiply-adds), what its transcendental calls cost against that
+(compiled chains of exp and of tanh: `DeviceProfile.exp_cost`, `tanh_cost`), matmul
+FLOP rate (what the library reaches), and the fixed cost of one kernel call.  Each is the best of nine runs, and a
 reading whose runs disagree (the median more than 1.5x the best: the machine is
 busy) is refused: the fixed table serves that process, and the next measures
 again, so a calibration taken under load is never cached.
@@ -17,10 +18,10 @@ import time
 
 import torch
 
-from .cost import PROFILES, DeviceProfile
+from .cost import PROFILES, TRANSCENDENTAL, DeviceProfile
 from .cache import cache_dir
 
-PROFILE_VERSION = 5
+PROFILE_VERSION = 6
 UNSTABLE = 1.5  # a reading whose median run is this much slower than its best was taken on a busy machine
 _refused = False  # this process found the machine too busy once: the fixed table, no second attempt
 
@@ -57,12 +58,24 @@ def _measure_cpu() -> DeviceProfile:
     n = 1 << 24  # 64 MB of float32
     src, dst = torch.ones(n), torch.empty(n)
     bandwidth = 2 * 4 * n / _best_seconds(lambda: dst.copy_(src))
-    flops = _generated_rate()
+    flops = _generated_rate(_chain)
     a, b = torch.randn(512, 512), torch.randn(512, 512)
     library = 2 * 512 ** 3 / _best_seconds(lambda: torch.mm(a, b))
     one = torch.ones(1)
     launch = _best_seconds(lambda: [torch.add(one, one) for _ in range(100)]) / 100
-    return DeviceProfile("cpu", bandwidth, flops, library, launch)
+    exp_cost, tanh_cost = (_transcendental_cost(fn, op, flops) for fn, op in ((_exp_chain, "exp"),
+                                                                              (_tanh_chain, "tanh")))
+    return DeviceProfile("cpu", bandwidth, flops, library, launch, exp_cost=exp_cost, tanh_cost=tanh_cost)
+
+
+def _transcendental_cost(chain, op: str, rate: float) -> float:
+    """The factor by which `op`'s FLOPs (TRANSCENDENTAL's share) must be weighted for
+    `chain` (16 independent calls of `op` per element, summed) to take, at the arithmetic
+    `rate`, the time it took."""
+    measured, per_element = _generated_rate(chain, per_element=True)
+    transcendental = 16 * TRANSCENDENTAL[op][1]
+    factor = (per_element * rate / measured - (per_element - transcendental)) / transcendental
+    return min(max(factor, 1.0), 50.0)
 
 
 def _chain(x, a, b):
@@ -71,18 +84,30 @@ def _chain(x, a, b):
     return x
 
 
-def _generated_rate() -> float:
-    """The rate generated code reaches, in the op-table FLOPs the cost model charges
-    it: a chain of 32 multiply-adds per element, compiled by this package (with the
-    fixed table, so no calibration recurses) and timed on 4M elements.  (This was
+def _exp_chain(x, a, b):
+    # 16 exps per element that do not wait for each other (a dependent chain would time
+    # their latency, where kernels pay their throughput)
+    return sum(torch.exp(x * (-0.05 * k)) for k in range(1, 17))
+
+
+def _tanh_chain(x, a, b):
+    return sum(torch.tanh(x * (0.05 * k)) for k in range(1, 17))
+
+
+def _generated_rate(chain, per_element: bool = False):
+    """The rate generated code reaches on `chain`, in the op-table FLOPs the cost model
+    charges it: `_chain`'s 32 multiply-adds per element (or the tanh/exp chain),
+    compiled by this package (with the fixed table, so no calibration recurses) and
+    timed on 4M elements.  (The arithmetic rate was
     vectorised torch.exp, counted at the table's 4 FLOPs per exp: arithmetic in a
     fused loop runs several times faster than that, and on 16 cores the cost model
     then split ln_relu to save arithmetic it does not pay: 3x slower; issue 10.)"""
     from .api import compile  # the pipeline imports this module
-    x, a, b = torch.rand(256, 16384), torch.rand(1), torch.rand(1)
-    compiled = compile(_chain, [x, a, b], target="cpu", profile="cpu-default", trust_rules=True, cache=False)
-    (kernel,) = [k for k in compiled.plan.kernels if k.kind == "generated"]
-    return kernel.flops / _best_seconds(lambda: compiled(x, a, b))
+    x, a, b = torch.rand(256, 16384), torch.rand(1), -0.1 - torch.rand(1)  # (b < 0: the exp chain stays in (0, 1])
+    compiled = compile(chain, [x, a, b], target="cpu", profile="cpu-default", trust_rules=True, cache=False)
+    flops = sum(k.flops for k in compiled.plan.kernels if k.kind == "generated")
+    rate = flops / _best_seconds(lambda: compiled(x, a, b))
+    return (rate, flops / x.numel()) if per_element else rate
 
 
 def plausible(profile: DeviceProfile) -> bool:

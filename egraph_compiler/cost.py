@@ -25,6 +25,10 @@ class DeviceProfile:
     launch: float  # seconds per kernel
     link_bandwidth: float = 5e9  # bytes / s between processes (collectives)
     attention_flops: float = 0.0  # FLOP / s for fused attention (sdpa); 0: the matmul rate
+    # what a FLOP of a transcendental call costs, in FLOPs of arithmetic: exp's kind (exp, log,
+    # sigmoid, silu, softmax, pow, cos, sin) and tanh's (tanh, gelu_tanh, erf, gelu)
+    exp_cost: float = 1.0
+    tanh_cost: float = 1.0
 
 
 ATTENTION = frozenset({"sdpa", "sdpa_mask"})
@@ -93,7 +97,26 @@ def extra_passes(op: str, in_shapes) -> int:
     return 2 if op == "linear" and len(in_shapes) > 2 and len(in_shapes[2]) >= 1 else 0
 
 
-def op_flops(op: str, out_shape, in_shapes) -> float:
+# of an op's FLOPs per element (the op table's), those spent in transcendental calls, by kind:
+# generated code runs them slower than its arithmetic, by the profile's measured factors
+TRANSCENDENTAL = {"exp": ("exp", 4), "log": ("exp", 4), "sigmoid": ("exp", 4), "silu": ("exp", 4),
+                  "softmax": ("exp", 4), "log_softmax": ("exp", 7), "pow": ("exp", 4), "cos": ("exp", 6),
+                  "sin": ("exp", 6), "tanh": ("tanh", 6), "gelu_tanh": ("tanh", 6), "erf": ("tanh", 8),
+                  "gelu": ("tanh", 8)}
+
+
+def op_flops(op: str, out_shape, in_shapes, profile: DeviceProfile | None = None) -> float:
+    """The op's FLOPs (op-table units); with a profile, its transcendental calls weighted
+    by what they cost there (`DeviceProfile.exp_cost`, `tanh_cost`)."""
+    flops = _table_flops(op, out_shape, in_shapes)
+    if profile is not None and op in TRANSCENDENTAL:
+        kind, share = TRANSCENDENTAL[op]
+        factor = profile.exp_cost if kind == "exp" else profile.tanh_cost
+        flops *= 1 + (factor - 1) * share / ops.get(op).flops
+    return flops
+
+
+def _table_flops(op: str, out_shape, in_shapes) -> float:
     opdef = ops.get(op)
     if op in ("matmul", "linear"):
         k = in_shapes[0][-1]

@@ -235,7 +235,7 @@ def estimate(kernel: Kernel, profile: DeviceProfile) -> None:
     node = kernel.output
     kernel.bytes = sum(n.numel * itemsize(n.dtype) for n in kernel.outputs) + sum(
         math.prod(i.shape) * itemsize(i.dtype) for i in kernel.inputs)
-    kernel.flops = sum(op_flops(n.op, n.shape, [a.shape for a in n.args]) for n in kernel.ops
+    kernel.flops = sum(op_flops(n.op, n.shape, [a.shape for a in n.args], profile) for n in kernel.ops
                        if n.group not in ("layout", "extern", "boundary", "source"))
     extra = extra_passes(node.op, [a.shape for a in node.args]) * node.numel * itemsize(node.dtype)
     kernel.seconds = kernel_cost(kernel.flops, kernel.bytes, profile, library=kernel.kind == "library",

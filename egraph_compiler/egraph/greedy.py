@@ -94,7 +94,7 @@ class KernelExtractor:
         group = ops.group_of(en.op)
         flops = 0.0
         if group not in ("source", "layout", "boundary", "extern"):
-            flops = op_flops(en.op, self._shape_of(en), [self.eg.shape[c] for c in en.children])
+            flops = op_flops(en.op, self._shape_of(en), [self.eg.shape[c] for c in en.children], self.profile)
         loads, needed, inlined = 0.0, {}, frozenset()
         for child in en.children:
             if child in self.inline_of:

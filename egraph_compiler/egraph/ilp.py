@@ -50,7 +50,7 @@ def node_cost(ex: KernelExtractor, class_id: str, en: ENode, use: str) -> float 
     profile: DeviceProfile = ex.profile
     flops = 0.0
     if group not in ("source", "layout", "boundary", "extern"):
-        flops = op_flops(en.op, ex.eg.shape[class_id], [ex.eg.shape[c] for c in en.children])
+        flops = op_flops(en.op, ex.eg.shape[class_id], [ex.eg.shape[c] for c in en.children], profile)
     loads = sum(ex.bytes(c) for c in en.children
                 if c not in ex.inline_of and not any(n.op == "const" for n in ex.eg.classes[c]))
     if en.op == "input":
