@@ -45,13 +45,23 @@ class _Busy(Exception):
     pass
 
 
+ATTEMPTS = 3  # a reading refused as disturbed is taken again (a moment later) this many times in all
+
+
 def measure_cpu() -> DeviceProfile | None:
-    """This CPU's profile, or None when the machine is too busy to measure."""
-    try:
-        measured = _measure_cpu()
-    except _Busy:
-        return None
-    return measured if plausible(measured) else None
+    """This CPU's profile, or None when the machine is too busy to measure: ATTEMPTS
+    readings were refused (on a 16-core machine one disturbed reading in a row is
+    common, and a refused calibration leaves the fixed 2-core table pricing its plans)."""
+    for attempt in range(ATTEMPTS):
+        if attempt:
+            time.sleep(0.5)
+        try:
+            measured = _measure_cpu()
+        except _Busy:
+            continue
+        if plausible(measured):
+            return measured
+    return None
 
 
 def _measure_cpu() -> DeviceProfile:

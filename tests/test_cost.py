@@ -36,8 +36,23 @@ def test_calibration_refuses_a_busy_machines_reading(monkeypatch):
         time.sleep(0.001 if next(calls) < 4 else 0.01)
     with pytest.raises(calibrate._Busy):
         calibrate._best_seconds(disturbed)
-    monkeypatch.setattr(calibrate, "_measure_cpu", lambda: (_ for _ in ()).throw(calibrate._Busy()))
-    assert calibrate.measure_cpu() is None
+    readings = []
+
+    def busy():
+        readings.append(1)
+        raise calibrate._Busy()
+    monkeypatch.setattr(calibrate, "_measure_cpu", busy)
+    monkeypatch.setattr(calibrate.time, "sleep", lambda s: None)
+    assert calibrate.measure_cpu() is None and len(readings) == calibrate.ATTEMPTS  # tried again, then refused
+    outcomes = iter([calibrate._Busy(), calibrate.PROFILES["cpu"]])
+
+    def once_disturbed():
+        outcome = next(outcomes)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+    monkeypatch.setattr(calibrate, "_measure_cpu", once_disturbed)
+    assert calibrate.measure_cpu() == calibrate.PROFILES["cpu"]  # the second reading is kept
 
 
 def test_library_calls_are_charged_by_class():
