@@ -11,7 +11,7 @@ Only kernels whose reductions are independent sums and whose stores are per colu
 """
 from __future__ import annotations
 
-from egraph_compiler.loopir import STASH, Acc, Call, Gather, Load, LoopKernel
+from egraph_compiler.loopir import STASH, Acc, Call, Gather, LoopKernel, loads, stride
 
 SPLIT_TILE = (32, 64)  # columns x rows of a partial sum's step
 SPLIT_PROGRAMS = 528  # programs to aim for: four per SM of an H200 (132 SMs)
@@ -42,25 +42,10 @@ def _column_major(k: LoopKernel) -> bool:
     """Reductions that read matrices along their columns: consecutive rows (inner
     indices) a stride apart, consecutive columns (outer indices) side by side.  A vector
     read per row or per column (a norm's row statistics) is a broadcast, and decides nothing."""
-    strides = [(_stride(e.index, "r"), _stride(e.index, "o")) for red in k.reductions for e in _loads(red.body)
+    strides = [(stride(e.index, "r"), stride(e.index, "o")) for red in k.reductions for e in loads(red.body)
                if e.param != STASH]
     matrices = [(r, o) for r, o in strides if r and o]
     return bool(matrices) and all(r > 1 and o == 1 for r, o in matrices)
-
-
-def _stride(index, var: str) -> int:
-    return sum(c for term, c in index.terms if term[0] == "var" and term[1] == var)
-
-
-def _loads(e):
-    if isinstance(e, Load):
-        yield e
-    elif isinstance(e, Call):
-        for a in e.args:
-            yield from _loads(a)
-    elif isinstance(e, Gather):
-        yield from _loads(e.value)
-        yield from _loads(e.row)
 
 
 def _reads_acc(e) -> bool:

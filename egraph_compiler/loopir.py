@@ -146,6 +146,34 @@ class Gather:
 ERROR_FLAG = "egc_err"  # the int32 flag a kernel with gathers sets when a row is out of range
 
 
+def loads(e):
+    """Every buffer read in a scalar expression (a gather's row and rows included)."""
+    if isinstance(e, Load):
+        yield e
+    elif isinstance(e, Call):
+        for a in e.args:
+            yield from loads(a)
+    elif isinstance(e, Gather):
+        yield from loads(e.value)
+        yield from loads(e.row)
+
+
+def stride(index: "Affine", var: str) -> int:
+    """How far apart in memory consecutive values of a loop variable read (0: not at all,
+    or only through a division or modulo)."""
+    return sum(c for term, c in index.terms if term[0] == "var" and term[1] == var)
+
+
+def transposed_reads(k: "LoopKernel") -> bool:
+    """A pointwise kernel that reads a matrix across its rows: a load whose consecutive
+    inner indices lie far apart and consecutive outer ones side by side (a transpose)."""
+    if k.reductions or not k.store_in_inner or any(not s[3] for s in k.extra_stores):
+        return False
+    values = [k.value] + [s[2] for s in k.extra_stores]
+    return any(stride(e.index, "o") == 1 and stride(e.index, "r") >= 16 for v in values for e in loads(v)
+               if e.param != STASH)
+
+
 def has_gather(k: "LoopKernel") -> bool:
     exprs = [red.body for red in k.reductions] + [k.value] + [s[2] for s in k.extra_stores]
     return any(_has_gather(e) for e in exprs)
