@@ -197,7 +197,7 @@ class _Kernel:
         lines.append(f"        {acc}_v = {self.expr(red.body)}")
         if is_max:
             lines.append(f"        {acc}_b = tl.maximum({acc}_b, tl.where(mask, {acc}_v, -INF))")
-            lines.append(f"        {acc}_n = {acc}_n | (mask & ({acc}_v != {acc}_v)).to(tl.int32)")
+            lines.append(f"        {acc}_n = {acc}_n | tl.where(mask, ({acc}_v != {acc}_v).to(tl.int32), 0)")
             return lines + [f"    {acc} = tl.max({acc}_b, axis=1, keep_dims=True)",
                             f"    {acc} = tl.where(tl.max({acc}_n, axis=1, keep_dims=True) > 0, INF - INF, {acc})"]
         lines.append(f"        {acc}_b = {acc}_b + tl.where(mask, {acc}_v, 0.0)")
@@ -208,8 +208,8 @@ class _Kernel:
         if not is_max:
             return [f"{pad}{acc} = tl.sum(tl.where(mask, {v}, 0.0), axis=1, keep_dims=True)"]
         return [f"{pad}{acc} = tl.max(tl.where(mask, {v}, -INF), axis=1, keep_dims=True)",
-                f"{pad}{acc} = tl.where(tl.max((mask & ({v} != {v})).to(tl.int32), axis=1, keep_dims=True) > 0, "
-                f"INF - INF, {acc})"]
+                f"{pad}{acc} = tl.where(tl.max(tl.where(mask, ({v} != {v}).to(tl.int32), 0), axis=1, keep_dims=True) "
+                f"> 0, INF - INF, {acc})"]  # (a where, not `mask & ...`: the value may be one loaded scalar)
 
     def _inner_stores(self, pad: str) -> list[str]:
         lines = []
