@@ -274,13 +274,13 @@ def substitute(expr, old, new):
     if isinstance(expr, Call):
         return Call(expr.op, tuple(substitute(a, old, new) for a in expr.args), expr.dtype)
     if isinstance(expr, Gather):
-        return Gather(expr.value, expr.var, substitute(expr.row, old, new), expr.rows)
+        return Gather(substitute(expr.value, old, new), expr.var, substitute(expr.row, old, new), expr.rows)
     return expr
 
 
 def contains(expr, sub) -> bool:
     return expr == sub or (isinstance(expr, Call) and any(contains(a, sub) for a in expr.args)) or (
-        isinstance(expr, Gather) and contains(expr.row, sub))
+        isinstance(expr, Gather) and (contains(expr.value, sub) or contains(expr.row, sub)))
 
 
 def rename_accs(expr, mapping: dict):
@@ -289,7 +289,7 @@ def rename_accs(expr, mapping: dict):
     if isinstance(expr, Call):
         return Call(expr.op, tuple(rename_accs(a, mapping) for a in expr.args), expr.dtype)
     if isinstance(expr, Gather):
-        return Gather(expr.value, expr.var, rename_accs(expr.row, mapping), expr.rows)
+        return Gather(rename_accs(expr.value, mapping), expr.var, rename_accs(expr.row, mapping), expr.rows)
     return expr
 
 

@@ -619,3 +619,14 @@ def test_a_chain_that_reads_each_step_twice_renders_a_bounded_kernel(monkeypatch
     assert len(compiled.source) < len(unlimited.source) / 10
     assert max(written(lk.value) for lk in compiled.loop_kernels) <= 64 * 3
     torch.testing.assert_close(compiled(x), chain(x), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("target", ["cpu", "triton"])
+def test_a_gather_of_a_fused_row_result_waits_for_its_sums(target):
+    """Soak 4747: a gather whose source is a view of a softmax computed in the same kernel
+    reads the softmax's sum inside the gathered value; loopir's `contains`, `substitute`
+    and `rename_accs` did not look there, so the C++ renderer summed both in one pass and
+    read the sum before it existed (`'acc1' was not declared`)."""
+    fn = lambda x, i: torch.tanh(torch.gather(torch.softmax(x, -1).t(), 0, i)).sum(0)  # noqa: E731
+    args = [torch.randn(1, 3), torch.tensor([[0], [0], [0]])]
+    torch.testing.assert_close(egc.compile(fn, args, target=target)(*args), fn(*args))
