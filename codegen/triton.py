@@ -13,6 +13,7 @@ tensors run under the Triton interpreter (TRITON_INTERPRET=1).
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import os
@@ -308,6 +309,7 @@ def launch_options(k: LoopKernel, shape: "_Kernel") -> dict:
     return options
 
 
+@functools.cache
 def _has_option(name: str) -> bool:
     try:
         from triton.backends.nvidia.compiler import CUDAOptions

@@ -68,7 +68,7 @@ def _measure_cpu() -> DeviceProfile:
     n = 1 << 24  # 64 MB of float32
     src, dst = torch.ones(n), torch.empty(n)
     bandwidth = 2 * 4 * n / _best_seconds(lambda: dst.copy_(src))
-    flops = _generated_rate(_chain)
+    flops, _ = _generated_rate(_chain)
     a, b = torch.randn(512, 512), torch.randn(512, 512)
     library = 2 * 512 ** 3 / _best_seconds(lambda: torch.mm(a, b))
     one = torch.ones(1)
@@ -82,7 +82,7 @@ def _transcendental_cost(chain, op: str, rate: float) -> float:
     """The factor by which `op`'s FLOPs (TRANSCENDENTAL's share) must be weighted for
     `chain` (16 independent calls of `op` per element, summed) to take, at the arithmetic
     `rate`, the time it took."""
-    measured, per_element = _generated_rate(chain, per_element=True)
+    measured, per_element = _generated_rate(chain)
     transcendental = 16 * TRANSCENDENTAL[op][1]
     factor = (per_element * rate / measured - (per_element - transcendental)) / transcendental
     return min(max(factor, 1.0), 50.0)
@@ -104,8 +104,8 @@ def _tanh_chain(x, a, b):
     return sum(torch.tanh(x * (0.05 * k)) for k in range(1, 17))
 
 
-def _generated_rate(chain, per_element: bool = False):
-    """The rate generated code reaches on `chain`, in the op-table FLOPs the cost model
+def _generated_rate(chain) -> tuple[float, float]:
+    """(rate, FLOPs per element): the rate generated code reaches on `chain`, in the op-table FLOPs the cost model
     charges it: `_chain`'s 32 multiply-adds per element (or the tanh/exp chain),
     compiled by this package (with the fixed table, so no calibration recurses) and
     timed on 4M elements.  (The arithmetic rate was
@@ -117,7 +117,7 @@ def _generated_rate(chain, per_element: bool = False):
     compiled = compile(chain, [x, a, b], target="cpu", profile="cpu-default", trust_rules=True, cache=False)
     flops = sum(k.flops for k in compiled.plan.kernels if k.kind == "generated")
     rate = flops / _best_seconds(lambda: compiled(x, a, b))
-    return (rate, flops / x.numel()) if per_element else rate
+    return rate, flops / x.numel()
 
 
 def plausible(profile: DeviceProfile) -> bool:

@@ -404,6 +404,13 @@ _op("extern", "extern", -1, [("target", "str")], leaf_shape, 0, None, "attr")
 CALLS = frozenset({"library", "collective", "extern"})  # groups run as calls on whole tensors
 
 
+def operand_in_memory(group: str, position: int) -> bool:
+    """Whether an op of this group needs its operand at `position` materialised, never
+    computed inside its kernel: a call's operands are whole tensors, and a gather
+    indexes its matrix (operand 0) by row number."""
+    return group in CALLS or (group == "gather" and position == 0)
+
+
 def get(name: str) -> OpDef:
     try:
         return OPS[name]

@@ -96,10 +96,10 @@ class KernelExtractor:
         if group not in ("source", "layout", "boundary", "extern"):
             flops = op_flops(en.op, self._shape_of(en), [self.eg.shape[c] for c in en.children], self.profile)
         loads, needed, inlined = 0.0, {}, frozenset()
-        for child in en.children:
+        for position, child in enumerate(en.children):
             if child in self.inline_of:
-                if group in ops.CALLS or (group == "gather" and child == en.children[0]):
-                    return None  # (a gather indexes its matrix in memory)
+                if ops.operand_in_memory(group, position):
+                    return None
                 option = self.inl.get(self.inline_of[child])
                 if option is None:
                     return None

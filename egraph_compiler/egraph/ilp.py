@@ -43,8 +43,8 @@ def node_cost(ex: KernelExtractor, class_id: str, en: ENode, use: str) -> float 
     """The additive cost of choosing `en` for `use`, or None when not allowed."""
     group = ops.group_of(en.op)
     inline_children = [c for c in en.children if c in ex.inline_of]
-    if inline_children and (group in ops.CALLS or (group == "gather" and en.children[0] in inline_children)):
-        return None  # (a gather indexes its matrix in memory)
+    if any(c in ex.inline_of and ops.operand_in_memory(group, i) for i, c in enumerate(en.children)):
+        return None
     if use == INL and (group not in INLINE_GROUPS or en.op == "extern"):
         return None
     profile: DeviceProfile = ex.profile
