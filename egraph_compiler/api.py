@@ -78,7 +78,8 @@ class CompiledFunction:
 def compile(fn, example_inputs, *, target=None, rules=(), disable=(), unsafe=False,
             iter_limit=30, node_limit=50_000, time_limit=10.0, strict=False, extraction="greedy",
             ilp_time_limit=5.0, profile=None, dot=False, trust_rules=False, cuda_graphs=False,
-            alias_inputs=False, progress=None, report=None, keep_egraph=False, cache=None) -> CompiledFunction:
+            alias_inputs=False, progress=None, report=None, keep_egraph=False, cache=None,
+            lend_outputs=None) -> CompiledFunction:
     """Compile a function or nn.Module for inputs shaped like `example_inputs`.
 
     rules: extra rule files (paths) or rule text added to the library.
@@ -95,6 +96,10 @@ def compile(fn, example_inputs, *, target=None, rules=(), disable=(), unsafe=Fal
     cuda_graphs: on the cuda target, record the program into a CUDA graph on its
     second call and replay it after that (inputs copied in, outputs copied out;
     see graphs.py); ignored on other targets.
+    lend_outputs: with cuda_graphs, the position in the results from which on
+    outputs are the graph's own buffers instead of copies; while the caller holds
+    any of them, a call runs without the graph (a training forward lends the
+    activations it saves for backward).
     alias_inputs: outputs that are inputs or views of inputs are returned as
     views of the caller's tensors, as eager torch returns them, instead of
     copies (training graphs use it for the tensors they hand to backward).
@@ -115,7 +120,8 @@ def compile(fn, example_inputs, *, target=None, rules=(), disable=(), unsafe=Fal
     options = Options(target, list(rules), list(disable), unsafe, iter_limit, node_limit, time_limit, strict,
                       profile=profile, extraction=extraction, ilp_time_limit=ilp_time_limit, dot=dot,
                       trust_rules=trust_rules, cuda_graphs=cuda_graphs, alias_inputs=alias_inputs, progress=progress,
-                      keep_egraph=bool(keep_egraph or report or os.environ.get(REPORT_ENV)), cache=cache)
+                      keep_egraph=bool(keep_egraph or report or os.environ.get(REPORT_ENV)), cache=cache,
+                      lend_outputs=lend_outputs)
     kwargs = dict(target=target, rules=rules, disable=disable, unsafe=unsafe, iter_limit=iter_limit,
                   node_limit=node_limit, time_limit=time_limit, strict=strict, extraction=extraction,
                   ilp_time_limit=ilp_time_limit, profile=profile, trust_rules=trust_rules, cuda_graphs=cuda_graphs,
@@ -188,7 +194,8 @@ def dynamo_backend(gm, example_inputs, **kwargs):
         kwargs["cuda_graphs"] = True  # as Inductor's modes do: CUDA graphs on the cuda target
     if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs):
         from .training import training_backend  # AOTAutograd: forward and backward graphs, each compiled
-        return training_backend(gm, example_inputs, lambda graph: _PerSize(graph, kwargs | {"alias_inputs": True}))
+        return training_backend(gm, example_inputs,
+                                lambda graph, **extra: _PerSize(graph, kwargs | {"alias_inputs": True} | extra))
     per_size = _PerSize(gm, kwargs)
     if all(isinstance(x, torch.Tensor) and all(isinstance(d, int) for d in x.shape) for x in example_inputs):
         per_size.compile(list(example_inputs))  # a static graph: compiled now, as Dynamo expects

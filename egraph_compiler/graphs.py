@@ -12,7 +12,20 @@ Dynamo a module's parameters are arguments; copying each one in per replay
 would cost a launch per parameter, as Inductor's static inputs avoid). Their
 addresses are checked per replay; one that moved records the graph again and
 from then on is copied into a static buffer, so an argument that is a fresh
-tensor per call costs one copy, and recordings are bounded by the inputs.
+tensor per call costs one copy; a copied one that then stays put over two
+calls records again reading it in place (once per input), so recordings are
+bounded by the inputs.
+
+A training forward's saved activations are lent, not copied (`lend`): the
+caller gets the graph's own buffers, and the backward graph, called with them
+at the same addresses each step, reads them in place (copying them out of one
+graph and into the other was 1.4 of GPT-2's 4.4 ms step on the H200). A
+replay would overwrite what it lent, so before each replay the lent buffers'
+storages are counted (`torch._C._storage_Use_Count`, views included): while
+anyone still holds one (backward not run yet, as in gradient accumulation),
+the call runs without the graph; the second time, the holders keep those
+buffers and a new recording copies its results out. Nothing the caller
+holds is ever overwritten.
 
 A program that cannot be recorded (an ATen fallback that synchronises with the
 host or allocates outside the graph's pool) runs without a graph, with a
@@ -25,14 +38,24 @@ import warnings
 import torch
 
 
-class GraphedRunner:
-    """Runs `run(env) -> env` (the wrapper) through a CUDA graph once warm."""
+def _users(storage) -> int:
+    return torch._C._storage_Use_Count(storage._cdata)
 
-    def __init__(self, run, user_ids: list[int], name: str = "program"):
-        self._run, self._user_ids, self._name = run, user_ids, name
+
+class GraphedRunner:
+    """Runs `run(env) -> env` (the wrapper) through a CUDA graph once warm.
+    `lend(env) -> tensors`: the outputs handed out as the graph's own buffers."""
+    def __init__(self, run, user_ids: list[int], name: str = "program", lend=None):
+        self._run, self._user_ids, self._name, self._lend = run, user_ids, name, lend
+        self.lending = lend is not None  # off after a caller held lent buffers over two calls
+        self._lent: list[tuple] = []  # (storage, its use count with nothing lent) of the recording's lent outputs
+        self._handed = False  # whether the last replay's lent buffers went out
+        self.held_runs = 0  # calls run without the graph because a caller still held lent buffers
+        self.recordings = 0
         self._calls = 0
         self._last: dict[int, int] = {}  # user input -> its data_ptr on the previous call
         self._moved: set[int] = set()  # user inputs seen at two addresses: copied per replay
+        self._settled: set[int] = set()  # copied inputs that later stayed put (promoted to in place once)
         self._copied: list[int] = []  # user inputs copied into static buffers by this recording
         self._in_place: list[tuple[int, int]] = []  # (user input, the address the graph reads)
         self._graph = None
@@ -56,18 +79,39 @@ class GraphedRunner:
         self._calls += 1
         if self.disabled:
             return self._run(env), False
+        where = {key: env[key].data_ptr() for key in self._user_ids}
+        last, self._last = self._last, where
         if self._calls < 2:
-            self._last = {key: env[key].data_ptr() for key in self._user_ids}
             return self._run(env), False
-        moved = [key for key, ptr in self._in_place if env[key].data_ptr() != ptr]
-        if self._graph is None or moved or self._bound_ptrs != self._pointers(env):
+        moved = [key for key, ptr in self._in_place if where[key] != ptr]
+        settled = [key for key in self._copied if key not in self._settled and where[key] == last.get(key)]
+        if self._graph is None or moved or settled or self._bound_ptrs != self._pointers(env):
             self._moved.update(moved)
-            if not self._record(env):
+            self._moved.difference_update(settled)  # copied inputs that stayed put are read in place, once
+            self._settled.update(settled)  # (a backward's saved activations settle a call after its forward's graph)
+            if not self._record(env, last):
+                return self._run(env), False
+        elif self._handed and self._held():  # a replay would overwrite what the caller holds
+            self.held_runs += 1
+            if self.held_runs < 2:
+                return self._run(env), False
+            self.lending = False  # held again: the holders keep those buffers, a new graph copies its results
+            if not self._record(env, last):
                 return self._run(env), False
         for key in self._copied:
             self._static[key].copy_(env[key])
         self._graph.replay()
-        return self._out, True
+        self._handed = self.lending and bool(self._lent)
+        return self._out | {key: env[key] for key, _ in self._in_place}, True
+
+    def in_place(self, key: int) -> bool:
+        """Whether the recorded graph reads this user input where the caller has it."""
+        return self._graph is not None and key not in self._moved
+
+    def _held(self) -> bool:
+        """Whether anyone besides this runner holds a buffer the last replay lent."""
+        self._handed = any(_users(storage) > alone for storage, alone in self._lent)
+        return self._handed
 
     def _pointers(self, env) -> list[tuple]:
         """Where the bound tensors (parameters of an `egc.compile`d module) are now."""
@@ -76,9 +120,9 @@ class GraphedRunner:
             self._bound_keys = [k for k in env if k not in users]
         return [(env[k].data_ptr(), env[k].shape, env[k].stride()) for k in self._bound_keys]
 
-    def _record(self, env) -> bool:
+    def _record(self, env, last: dict[int, int]) -> bool:
         if self._graph is None and not self._in_place:  # the first recording: who stayed put since the last call
-            self._moved.update(key for key in self._user_ids if env[key].data_ptr() != self._last.get(key))
+            self._moved.update(key for key in self._user_ids if env[key].data_ptr() != last.get(key))
         static = dict(env)
         copied = [key for key in self._user_ids if key in self._moved]
         for key in copied:
@@ -99,7 +143,17 @@ class GraphedRunner:
             warnings.warn(f"egraph-compiler: CUDA graphs are off for this {self._name} ({self.disabled}); it runs "
                           f"kernel by kernel", stacklevel=4)
             return False
-        self._graph, self._static, self._out, self._copied = graph, static, out, copied
         self._in_place = [(key, env[key].data_ptr()) for key in self._user_ids if key not in self._moved]
+        # keep no tensor of the caller's (nor a view of one): a forward's lent buffers are free once
+        # backward is done; a replay's env gets this call's inputs, and views of them are made again
+        callers = {env[key].untyped_storage().data_ptr() for key, _ in self._in_place} - {0}
+        self._out = {key: t for key, t in out.items()
+                     if not (isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in callers)}
+        self._graph, self._static, self._copied = graph, {key: static[key] for key in copied}, copied
+        self.recordings += 1
+        self._lent, self._handed = [], False  # (what an earlier graph lent stays with its holders)
+        if self.lending:
+            storages = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in self._lend(self._out)}
+            self._lent = [(storage, _users(storage)) for storage in storages.values()]
         self._bound_ptrs = self._pointers(env)
         return True

@@ -56,6 +56,7 @@ class Options:
     trust_rules: bool = False  # skip the numerical check of user rules
     cuda_graphs: bool = False  # replay the program as one CUDA graph (cuda target; graphs.py)
     alias_inputs: bool = False  # outputs that view an input are returned as views, not copies
+    lend_outputs: int | None = None  # with cuda_graphs: outputs from this position on are the graph's own (graphs.py)
     progress: object = None  # progress(iterations, e-nodes, seconds) after each saturation iteration
     keep_egraph: bool = False  # keep the captured graph, e-classes and rules in Levels (for reports)
     cache: object = None  # the shared compile cache: a redis:// URL, False (none), None (EGC_REMOTE_CACHE)
@@ -116,7 +117,7 @@ def lower_and_load(plan: Plan, rules, target, options: Options, levels: Levels) 
     clock = time.perf_counter()
     with remote.using(options.cache):
         executable = Executable(plan, levels.source, loops, buffer_names, target, cuda_graphs=options.cuda_graphs,
-                                aliases=aliases)
+                                aliases=aliases, lend_outputs=options.lend_outputs)
     levels.wrapper = executable.wrapper.source
     levels.timings["load"] = time.perf_counter() - clock
     return executable

@@ -29,9 +29,12 @@ class Executable:
     """Runs a plan: generated kernels through the target's loader, the rest through torch."""
 
     def __init__(self, plan: Plan, source: str, loops, buffer_names: dict[int, str], target,
-                 cuda_graphs: bool = False, aliases: dict[str, str] | None = None):
+                 cuda_graphs: bool = False, aliases: dict[str, str] | None = None, lend_outputs=None):
         """`loops`: every generated kernel's loop IR; `aliases`: kernel name -> the kernel
-        whose compiled code runs it (codegen.walker.unique_kernels), not in `source`."""
+        whose compiled code runs it (codegen.walker.unique_kernels), not in `source`;
+        `lend_outputs`: with CUDA graphs, the result positions from which on outputs are
+        handed out as the graph's own buffers (graphs.py: a training forward's saved
+        activations)."""
         self.plan = plan
         self.graph: Graph = plan.graph
         self.target = target
@@ -54,16 +57,21 @@ class Executable:
                        if n.attr("name") not in bound]
         self._bound_specs = [(n, id(n), bound[n.attr("name")]) for n in self.graph.inputs if n.attr("name") in bound]
         self.graphed = None
+        self._lent = self._lendable(lend_outputs)
         if cuda_graphs and target.device == "cuda":
             user = [id(n) for n in self.graph.inputs if n.attr("name") not in self.graph.bound]
-            self.graphed = GraphedRunner(self._run, user)
+            computed = [i for i in self._lent if self.graph.outputs[i].op != "const"
+                        and not self._constant(self.graph.outputs[i])]  # (constants are never rewritten)
+            lend = (lambda env: [self._tensor(self.graph.outputs[i], env) for i in computed]) if self._lent else None
+            self.graphed = GraphedRunner(self._run, user, lend=lend)
             if any(k.output.group == "collective" for k in plan.kernels):
                 self.graphed.disabled = "the program has collectives, which are not recorded into CUDA graphs"
 
     @torch.no_grad()  # compiled programs are inference-only: no autograd graph is recorded
     def __call__(self, *args):
         env, owned = self.graphed(self._bind(args)) if self.graphed else (self._run(self._bind(args)), False)
-        results = tuple(self._result(o, env, copy=owned) for o in self.graph.outputs)
+        lent = self._lent if owned and self.graphed.lending else ()
+        results = tuple(self._result(o, env, copy=owned, lend=i in lent) for i, o in enumerate(self.graph.outputs))
         self._write_back(args, results)
         return self._structure(results[:self.graph.user_outputs])
 
@@ -219,15 +227,32 @@ class Executable:
 
     def _constant(self, node: Node) -> bool:
         """A view of one of the program's own constants (a folded value), not the caller's tensor."""
-        bound = self.graph.bound.get(view_source(node).attr("name"))
+        source = view_source(node)
+        bound = self.graph.bound.get(source.attr("name")) if source.op == "input" else None
         return bound is not None and bound.module is None
 
-    def _result(self, node: Node, env, copy: bool = False) -> torch.Tensor:
-        """An output as the caller gets it: `copy` when env's tensors are a CUDA graph's own."""
+    def _lendable(self, start) -> frozenset:
+        """The outputs at result positions `start`... that kernels compute or that are the program's
+        constants (not a view of the caller's input): those a CUDA graph may hand out as its own
+        buffers (a training forward's saved activations, which nobody writes to)."""
+        if start is None:
+            return frozenset()
+        leaves = self.graph.results[1] if self.graph.results is not None else range(self.graph.user_outputs)
+        picked = {leaf for leaf in list(leaves)[start:] if isinstance(leaf, int)}
+        return frozenset(i for i in picked if self.graph.outputs[i].op == "const" or self._constant(self.graph.outputs[i])
+                         or view_source(self.graph.outputs[i]).op != "input")
+
+    def _result(self, node: Node, env, copy: bool = False, lend: bool = False) -> torch.Tensor:
+        """An output as the caller gets it: `copy` when env's tensors are a CUDA graph's own,
+        unless it is lent (`lend`: the graph's own buffer, in a tensor of the caller's)."""
         value = self._tensor(node, env)
+        if lend and value.is_contiguous():
+            return value.detach()
         if node.op == "const":
             return value.clone()
-        if view_source(node).op == "input" and self.plan.alias_inputs and not copy and not self._constant(node):
+        source = view_source(node)
+        if (source.op == "input" and self.plan.alias_inputs and not self._constant(node)
+                and (not copy or self.graphed.in_place(id(source)))):
             return value.detach()  # a view of the caller's tensor, as torch returns it
         if copy or view_source(node).op == "input" or not value.is_contiguous():
             return value.clone(memory_format=torch.contiguous_format)  # never alias the caller's tensors

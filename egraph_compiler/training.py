@@ -16,6 +16,7 @@ import torch
 from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
 from torch._decomp import get_decompositions
 from torch._dynamo.backends.common import aot_autograd
+from torch._guards import TracingContext
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from .capture import retarget
@@ -63,8 +64,8 @@ def training_backend(gm: torch.fx.GraphModule, example_inputs, compile_graph):
     (api._PerSize: one program per distinct size)."""
     retarget(gm, _SDPA_TARGETS, _sdpa_math)  # attention's math, before autograd sees torch's fused kernel
 
-    def compiler(graph: torch.fx.GraphModule, inputs):
-        run = compile_graph(graph)
+    def compiler(graph: torch.fx.GraphModule, inputs, **extra):
+        run = compile_graph(graph, **extra)
         shapes_known = all(not isinstance(x, torch.Tensor) or all(isinstance(d, int) for d in x.shape)
                            for x in inputs)
         if shapes_known and all(isinstance(x, torch.Tensor) for x in inputs):
@@ -73,7 +74,18 @@ def training_backend(gm: torch.fx.GraphModule, example_inputs, compile_graph):
         return make_boxed_func(run)
 
     table = get_decompositions(DECOMPOSED) | {aten.scaled_dot_product_attention.default: _sdpa_math}
-    backend = aot_autograd(fw_compiler=compiler, bw_compiler=compiler, decompositions=table,
+    def forward_compiler(graph: torch.fx.GraphModule, inputs):
+        """The forward returns the user's outputs, then the activations backward reads: those are
+        lent by a CUDA graph, not copied (graphs.py), and backward reads them in place."""
+        context = TracingContext.try_get()
+        metadata = context.fw_metadata if context is not None else None
+        return compiler(graph, inputs, lend_outputs=metadata.num_forward if metadata is not None else None)
+
+    def backward_compiler(graph: torch.fx.GraphModule, inputs):
+        """Gradients are lent too: autograd accumulates them, and `zero_grad()` lets them go."""
+        return compiler(graph, inputs, lend_outputs=0)
+
+    backend = aot_autograd(fw_compiler=forward_compiler, bw_compiler=backward_compiler, decompositions=table,
                            partition_fn=min_cut_rematerialization_partition, keep_inference_input_mutations=True)
     return backend(gm, example_inputs)
 

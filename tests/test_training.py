@@ -177,3 +177,19 @@ def test_compiled_model_follows_mode_dtype_and_weight_changes():
     x = x.to(torch.bfloat16)
     same(tol=3e-2)
     assert len(egc.last_plans()) >= 4  # eval; train forward and backward; bfloat16: each compiled
+
+
+def test_forward_lends_only_what_it_computes():
+    """Under CUDA graphs a training forward hands out its saved activations as the graph's own buffers
+    (graphs.py).  Which ones: outputs after the user's that kernels compute or that are constants,
+    never a view of a caller's tensor (a weight's transpose is returned as that view)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16))
+    compiled = _compile(model)
+    got, want = _grads(model, lambda fn: (fn(torch.ones(4, 16)) ** 2).sum(), compiled)
+    _assert_grads_close(got, want)
+    forward = egc.last_compiled()[-2]._executable
+    outputs = forward.graph.outputs
+    assert forward._lent and min(forward._lent) >= 1, "the user's output is not lent"
+    assert all(egc.graph.view_source(outputs[i]).op != "input" for i in forward._lent)
+    assert any(egc.graph.view_source(o).op == "input" for o in outputs), "a saved weight (not lent)"
