@@ -27,6 +27,10 @@ the call runs without the graph; the second time, the holders keep those
 buffers and a new recording copies its results out. Nothing the caller
 holds is ever overwritten.
 
+An input that is not contiguous (a transpose a forward saved) is made
+contiguous by a copy inside the graph, which reads the caller's tensor in
+place; addresses are compared with their strides.
+
 A program that cannot be recorded (an ATen fallback that synchronises with the
 host or allocates outside the graph's pool) runs without a graph, with a
 warning that names the reason: never a wrong answer, never silently slower.
@@ -45,19 +49,29 @@ def _users(storage) -> int:
 class GraphedRunner:
     """Runs `run(env) -> env` (the wrapper) through a CUDA graph once warm.
     `lend(env) -> tensors`: the outputs handed out as the graph's own buffers."""
+
     def __init__(self, run, user_ids: list[int], name: str = "program", lend=None):
-        self._run, self._user_ids, self._name, self._lend = run, user_ids, name, lend
+        self._user_ids, self._name, self._lend = user_ids, name, lend
+
+        def dense(env):  # a strided input (a saved transpose) is made contiguous inside the graph,
+            strided = [key for key in user_ids if not env[key].is_contiguous()]  # which reads it in place
+            if strided:
+                env = dict(env)  # (the caller's env keeps the strided tensor)
+                for key in strided:
+                    env[key] = env[key].contiguous()
+            return run(env)
+        self._run = dense
         self.lending = lend is not None  # off after a caller held lent buffers over two calls
         self._lent: list[tuple] = []  # (storage, its use count with nothing lent) of the recording's lent outputs
         self._handed = False  # whether the last replay's lent buffers went out
         self.held_runs = 0  # calls run without the graph because a caller still held lent buffers
         self.recordings = 0
         self._calls = 0
-        self._last: dict[int, int] = {}  # user input -> its data_ptr on the previous call
+        self._last: dict[int, tuple] = {}  # user input -> (address, strides) on the previous call
         self._moved: set[int] = set()  # user inputs seen at two addresses: copied per replay
         self._settled: set[int] = set()  # copied inputs that later stayed put (promoted to in place once)
         self._copied: list[int] = []  # user inputs copied into static buffers by this recording
-        self._in_place: list[tuple[int, int]] = []  # (user input, the address the graph reads)
+        self._in_place: list[tuple[int, tuple]] = []  # (user input, the address and strides the graph reads)
         self._graph = None
         self._static: dict[int, torch.Tensor] = {}
         self._out: dict[int, torch.Tensor] = {}
@@ -79,7 +93,7 @@ class GraphedRunner:
         self._calls += 1
         if self.disabled:
             return self._run(env), False
-        where = {key: env[key].data_ptr() for key in self._user_ids}
+        where = {key: (env[key].data_ptr(), env[key].stride()) for key in self._user_ids}
         last, self._last = self._last, where
         if self._calls < 2:
             return self._run(env), False
@@ -122,7 +136,7 @@ class GraphedRunner:
 
     def _record(self, env, last: dict[int, int]) -> bool:
         if self._graph is None and not self._in_place:  # the first recording: who stayed put since the last call
-            self._moved.update(key for key in self._user_ids if env[key].data_ptr() != last.get(key))
+            self._moved.update(key for key in self._user_ids if (env[key].data_ptr(), env[key].stride()) != last.get(key))
         static = dict(env)
         copied = [key for key in self._user_ids if key in self._moved]
         for key in copied:
@@ -143,7 +157,8 @@ class GraphedRunner:
             warnings.warn(f"egraph-compiler: CUDA graphs are off for this {self._name} ({self.disabled}); it runs "
                           f"kernel by kernel", stacklevel=4)
             return False
-        self._in_place = [(key, env[key].data_ptr()) for key in self._user_ids if key not in self._moved]
+        self._in_place = [(key, (env[key].data_ptr(), env[key].stride())) for key in self._user_ids
+                          if key not in self._moved]
         # keep no tensor of the caller's (nor a view of one): a forward's lent buffers are free once
         # backward is done; a replay's env gets this call's inputs, and views of them are made again
         callers = {env[key].untyped_storage().data_ptr() for key, _ in self._in_place} - {0}

@@ -57,6 +57,7 @@ class Executable:
                        if n.attr("name") not in bound]
         self._bound_specs = [(n, id(n), bound[n.attr("name")]) for n in self.graph.inputs if n.attr("name") in bound]
         self.graphed = None
+        self._kinds = [self._output_kind(o) for o in self.graph.outputs]
         self._lent = self._lendable(lend_outputs)
         if cuda_graphs and target.device == "cuda":
             user = [id(n) for n in self.graph.inputs if n.attr("name") not in self.graph.bound]
@@ -71,7 +72,7 @@ class Executable:
     def __call__(self, *args):
         env, owned = self.graphed(self._bind(args)) if self.graphed else (self._run(self._bind(args)), False)
         lent = self._lent if owned and self.graphed.lending else ()
-        results = tuple(self._result(o, env, copy=owned, lend=i in lent) for i, o in enumerate(self.graph.outputs))
+        results = tuple(self._result(i, env, copy=owned, lend=i in lent) for i in range(len(self.graph.outputs)))
         self._write_back(args, results)
         return self._structure(results[:self.graph.user_outputs])
 
@@ -156,7 +157,7 @@ class Executable:
         """The call's tensors by input node. Per call and per input (a model's
         parameters are inputs under Dynamo), so the common case is a few
         attribute reads; `_check` says what is wrong otherwise."""
-        cuda = self.target.device == "cuda"
+        cuda, graphed = self.target.device == "cuda", self.graphed is not None and not self.graphed.disabled
         if len(args) != len(self._specs):
             raise InputError(f"expected {len(self._specs)} tensor argument(s) "
                              f"({', '.join(n.attr('name') for n, *_ in self._specs)}), got {len(args)}")
@@ -165,7 +166,7 @@ class Executable:
             if not (isinstance(value, torch.Tensor) and value.dtype == dtype and value.shape == shape
                     and (value.is_cuda if cuda else value.is_cpu)):
                 value = self._check(node, value)
-            env[key] = value if value.is_contiguous() else value.contiguous()
+            env[key] = value if graphed or value.is_contiguous() else value.contiguous()  # (graphs.py: inside)
         for node, key, bound in self._bound_specs:
             env[key] = self._check(node, bound.get())
         return env
@@ -242,19 +243,28 @@ class Executable:
         return frozenset(i for i in picked if self.graph.outputs[i].op == "const" or self._constant(self.graph.outputs[i])
                          or view_source(self.graph.outputs[i]).op != "input")
 
-    def _result(self, node: Node, env, copy: bool = False, lend: bool = False) -> torch.Tensor:
-        """An output as the caller gets it: `copy` when env's tensors are a CUDA graph's own,
-        unless it is lent (`lend`: the graph's own buffer, in a tensor of the caller's)."""
-        value = self._tensor(node, env)
-        if lend and value.is_contiguous():
-            return value.detach()
-        if node.op == "const":
-            return value.clone()
+    def _output_kind(self, node: Node) -> tuple[str, int]:
+        """("const" | "alias": a view of the caller's input returned as one | "input": a view of an
+        input or constant, copied | "computed", the input node's key for "alias")."""
         source = view_source(node)
-        if (source.op == "input" and self.plan.alias_inputs and not self._constant(node)
-                and (not copy or self.graphed.in_place(id(source)))):
+        if node.op == "const":
+            return "const", 0
+        if source.op == "input" and self.plan.alias_inputs and not self._constant(node):
+            return "alias", id(source)
+        return ("input" if source.op == "input" else "computed"), 0
+
+    def _result(self, i: int, env, copy: bool = False, lend: bool = False) -> torch.Tensor:
+        """Output `i` as the caller gets it: `copy` when env's tensors are a CUDA graph's own,
+        unless it is lent (`lend`: the graph's own buffer, in a tensor of the caller's)."""
+        value = self._tensor(self.graph.outputs[i], env)
+        if lend:
+            return value.detach()  # (a strided view of the graph's buffer too: backward reads it in place)
+        kind, source = self._kinds[i]
+        if kind == "const":
+            return value.clone()
+        if kind == "alias" and (not copy or self.graphed.in_place(source)):
             return value.detach()  # a view of the caller's tensor, as torch returns it
-        if copy or view_source(node).op == "input" or not value.is_contiguous():
+        if copy or kind != "computed" or not value.is_contiguous():
             return value.clone(memory_format=torch.contiguous_format)  # never alias the caller's tensors
         return value
 

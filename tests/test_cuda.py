@@ -249,3 +249,22 @@ def test_training_graphs_lend_saved_activations_and_gradients(accumulate, set_to
         assert forward.held_runs == backward.held_runs == 0 and forward.lending and backward.lending
         assert backward.copied_inputs < len(backward._user_ids) - len(programs[0]._executable._lent), \
             "backward reads the lent activations in place"
+
+
+def test_cuda_graphs_take_strided_inputs_in_place():
+    """A transposed argument is made contiguous inside the graph, reading the caller's tensor where it
+    is: no copy per call when it stays put; the same address with other strides is not mistaken for it."""
+    base = torch.randn(64, 32, device="cuda")
+
+    def fn(a):
+        return torch.softmax(a * 2, -1)
+    compiled = egc.compile(fn, [base.t()], cuda_graphs=True)
+    with torch.no_grad():
+        for step in range(4):
+            base.normal_()
+            torch.testing.assert_close(compiled(base.t()), fn(base.t()), atol=1e-5, rtol=1e-5)
+        graphed = compiled._executable.graphed
+        assert graphed.recorded and graphed.copied_inputs == 0
+        flat = torch.randn(64 * 32, device="cuda")
+        for a in (flat.view(64, 32).t(), flat.view(32, 64), flat.view(64, 32).t()):  # one address, two layouts
+            torch.testing.assert_close(compiled(a), fn(a), atol=1e-5, rtol=1e-5)
