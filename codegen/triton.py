@@ -51,7 +51,7 @@ SCALAR_OPS = {
     "pow_scalar_base": "_egc_pow(({0}) + tl.zeros_like({1}), {1})",  # (tl.zeros_like of a float fails on GPU)
     "gt": "(({0}) > ({1}))", "ge": "(({0}) >= ({1}))", "lt": "(({0}) < ({1}))", "le": "(({0}) <= ({1}))",
     "eq": "(({0}) == ({1}))", "ne": "(({0}) != ({1}))",
-    "where": "tl.where({0}, {1}, {2})",
+    "where": "tl.where(({0}) != 0, {1}, {2})",  # (a condition may be a float: a cast to bool computes in float32)
 }
 
 PRELUDE = '''import triton
