@@ -77,15 +77,15 @@ static inline float egc_maximum(float a, float b) { return (a != a || a > b) ? a
 // chosen by bit masks: g++ turns expf of a select into a select of two expf calls (or of
 // expf(x) and a constant, the slow call again); the floor is a variable so that it cannot
 // fold expf(-104) either
-float egc_exp_floor = -104.0f;
+float egc_exp_floor = -105.0f;  // exp(-105 + 87) * exp(-87) rounds to 0, as exp(x) does from -103.97 down
 static inline float egc_exp(float x) {
-  const float t = std::max(x, egc_exp_floor);
+  const float t = std::max(x, egc_exp_floor);  // (-inf -> the floor; NaN stays NaN)
   const int32_t tail = -static_cast<int32_t>(t < -87.0f);  // all ones below -87
   const int32_t shift_bits = tail & 0x42AE0000, factor_bits = (tail & 0x00B33687) | (~tail & 0x3F800000);
   float shift, factor;  // 87.0f or 0.0f; exp(-87) or 1.0f
   std::memcpy(&shift, &shift_bits, 4);
   std::memcpy(&factor, &factor_bits, 4);
-  return expf(t + shift) * (x < -104.0f ? 0.0f : factor);
+  return expf(t + shift) * factor;
 }
 // a gather's row: one out of range is never read (row 0 instead), and sets the kernel's error flag
 static inline int64_t egc_row(int64_t i, int64_t rows, int32_t* err) {
