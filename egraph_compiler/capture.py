@@ -67,7 +67,7 @@ def capture(fn, example_inputs) -> tuple[Graph, str]:
     gm = program.graph_module
     kinds = {spec.arg.name: spec for spec in program.graph_signature.input_specs}
     env: dict[str, object] = {}
-    inputs, bound, where, layouts = [], {}, {}, {}
+    inputs, bound, where = [], {}, {}
     user_names = _parameter_names(fn, len(example_inputs))
     placeholder_names: dict[str, str] = {}
     user_index = 0
@@ -76,18 +76,13 @@ def capture(fn, example_inputs) -> tuple[Graph, str]:
             val = fx_node.meta["val"]
             spec = kinds[fx_node.name]
             name = user_names[user_index] if spec.kind.name == "USER_INPUT" else spec.target.replace(".", "_")
-            order = memory_order(example_inputs[user_index]) if spec.kind.name == "USER_INPUT" else None
-            shape = tuple(val.shape) if order is None else tuple(val.shape[d] for d in order)
-            node = input_node(name, shape, str(val.dtype).removeprefix("torch."))
+            node = input_node(name, tuple(val.shape), str(val.dtype).removeprefix("torch."))
             if spec.kind.name == "USER_INPUT":
                 user_index += 1
             else:
                 bound[name] = _bound(module, program, spec.target)
             inputs.append(node)
             env[fx_node.name] = node
-            if order is not None:  # a transposed argument (a saved activation backward gets): read where it is
-                layouts[name] = order
-                env[fx_node.name] = Node.make("permute", (node,), {"dims": tuple(order.index(d) for d in range(len(order)))})
             placeholder_names[fx_node.name] = name
         elif fx_node.op == "call_function":
             if "val" not in fx_node.meta and not fx_node.users:
@@ -96,17 +91,8 @@ def capture(fn, example_inputs) -> tuple[Graph, str]:
         elif fx_node.op == "output":
             outs = tuple(env[a.name] if isinstance(a, torch.fx.Node) else Literal(a) for a in fx_node.args[0])
     outs, mutations, leaves = _split_outputs(program, outs, placeholder_names)
-    graph = Graph(inputs, outs, bound, where, mutations, (program.call_spec.out_spec, leaves), layouts=layouts)
+    graph = Graph(inputs, outs, bound, where, mutations, (program.call_spec.out_spec, leaves))
     return graph, gm.code.strip()
-
-
-def memory_order(t: torch.Tensor) -> tuple | None:
-    """The dims of a tensor that is dense in memory in another order than its own (a transpose, a
-    permute), outermost first; None for a contiguous tensor and for any other layout."""
-    if not isinstance(t, torch.Tensor) or t.dim() < 2 or t.is_contiguous() or t.numel() == 0:
-        return None
-    order = tuple(sorted(range(t.dim()), key=lambda d: -t.stride(d)))
-    return order if t.permute(order).is_contiguous() else None
 
 
 def _bound(module: torch.nn.Module, program, target: str) -> Bound:

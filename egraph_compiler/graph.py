@@ -203,9 +203,6 @@ class Graph:
     # Literal(value) for a non-tensor the program returns; None: the outputs as a tuple
     results: tuple | None = None
     eclass: dict[int, str] = field(default_factory=dict)  # id(node) -> its e-class (an extracted graph's)
-    # inputs compiled for a transposed layout: name -> the dims in memory order (the input node has
-    # the shape in that order, a permute gives the program its view; runtime binds a permuted view)
-    layouts: dict[str, tuple] = field(default_factory=dict)
 
     @property
     def user_outputs(self) -> int:

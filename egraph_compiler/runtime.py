@@ -71,7 +71,7 @@ class Executable:
     @torch.no_grad()  # compiled programs are inference-only: no autograd graph is recorded
     def __call__(self, *args):
         env, owned = self.graphed(self._bind(args)) if self.graphed else (self._run(self._bind(args)), False)
-        lent = self._lent if not owned or self.graphed.lending else ()  # (buffers of a run without a graph are fresh)
+        lent = self._lent if owned and self.graphed.lending else ()
         results = tuple(self._result(i, env, copy=owned, lend=i in lent) for i in range(len(self.graph.outputs)))
         self._write_back(args, results)
         return self._structure(results[:self.graph.user_outputs])
@@ -161,10 +161,8 @@ class Executable:
         if len(args) != len(self._specs):
             raise InputError(f"expected {len(self._specs)} tensor argument(s) "
                              f"({', '.join(n.attr('name') for n, *_ in self._specs)}), got {len(args)}")
-        env, layouts = {}, self.graph.layouts
+        env = {}
         for (node, key, shape, dtype), value in zip(self._specs, args):
-            if layouts and node.attr("name") in layouts:  # compiled for a transposed argument: its view in
-                value = self._in_memory_order(node, value)  # memory order (contiguous when it is laid out so)
             if not (isinstance(value, torch.Tensor) and value.dtype == dtype and value.shape == shape
                     and (value.is_cuda if cuda else value.is_cpu)):
                 value = self._check(node, value)
@@ -172,17 +170,6 @@ class Executable:
         for node, key, bound in self._bound_specs:
             env[key] = self._check(node, bound.get())
         return env
-
-    def _in_memory_order(self, node: Node, value):
-        order = self.graph.layouts[node.attr("name")]
-        logical = tuple(node.shape[order.index(d)] for d in range(len(order)))
-        if isinstance(value, torch.Tensor) and tuple(value.shape) == logical:
-            return value.permute(order)
-        if isinstance(value, torch.Tensor) and value.dtype == torch_dtype(node.dtype):
-            raise InputError(f"argument {node.attr('name')!r}: compiled for {node.dtype}{list(logical)}, got "
-                             f"{str(value.dtype).removeprefix('torch.')}{list(value.shape)}; compile again for "
-                             f"the new shape")
-        return value  # (_check says what is wrong)
 
     def _check(self, node: Node, value) -> torch.Tensor:
         name = node.attr("name")
