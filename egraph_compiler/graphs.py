@@ -37,9 +37,69 @@ warning that names the reason: never a wrong answer, never silently slower.
 """
 from __future__ import annotations
 
+import os
 import warnings
 
 import torch
+
+
+EMULATE_ENV = "EGC_EMULATE_CUDA_GRAPHS"
+
+
+class CudaRecorder:
+    """Records a run into a CUDA graph and replays it."""
+
+    @staticmethod
+    def capture(run, static):
+        graph = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # a warm-up on a side stream, as torch's graph recipe asks
+            run(static)
+        torch.cuda.current_stream().wait_stream(side)
+        with torch.cuda.graph(graph):
+            out = run(static)
+        return graph, out
+
+    @staticmethod
+    def replay(graph, run, env, static, out) -> None:
+        graph.replay()
+
+    @staticmethod
+    def failed() -> None:
+        torch.cuda.synchronize()
+
+
+class EmulatedRecorder:
+    """A CUDA graph's memory semantics on the CPU, for tests where there is no GPU
+    (`EGC_EMULATE_CUDA_GRAPHS=1` with `cuda_graphs=True` on the cpu target): a replay
+    runs the program on the inputs where the graph would read them (copied ones from
+    their static buffers) and writes its results into the recorded buffers, as a
+    replay rewrites them; so a runner that let a replay overwrite what a caller holds
+    gives that caller wrong values, which the tests see."""
+
+    @staticmethod
+    def capture(run, static):
+        return "emulated", run(dict(static))
+
+    @staticmethod
+    def replay(graph, run, env, static, out) -> None:
+        inputs = {**env, **static}
+        new = run(dict(inputs))
+        for key, buffer in out.items():
+            if key not in inputs and isinstance(buffer, torch.Tensor):
+                buffer.data.copy_(new[key])  # (.data: as a replay, leaving autograd's version counters alone)
+
+    @staticmethod
+    def failed() -> None:
+        pass
+
+
+def recorder_for(device: str):
+    """The recorder of a device's programs; None where there are no CUDA graphs."""
+    if device == "cuda":
+        return CudaRecorder()
+    return EmulatedRecorder() if os.environ.get(EMULATE_ENV) == "1" else None
 
 
 def _users(storage) -> int:
@@ -50,8 +110,9 @@ class GraphedRunner:
     """Runs `run(env) -> env` (the wrapper) through a CUDA graph once warm.
     `lend(env) -> tensors`: the outputs handed out as the graph's own buffers."""
 
-    def __init__(self, run, user_ids: list[int], name: str = "program", lend=None):
+    def __init__(self, run, user_ids: list[int], name: str = "program", lend=None, recorder=None):
         self._user_ids, self._name, self._lend = user_ids, name, lend
+        self._recorder = recorder or CudaRecorder()
 
         def dense(env):  # a strided input (a saved transpose) is made contiguous inside the graph,
             strided = [key for key in user_ids if not env[key].is_contiguous()]  # which reads it in place
@@ -114,7 +175,7 @@ class GraphedRunner:
                 return self._run(env), False
         for key in self._copied:
             self._static[key].copy_(env[key])
-        self._graph.replay()
+        self._recorder.replay(self._graph, self._run, env, self._static, self._out)
         self._handed = self.lending and bool(self._lent)
         return self._out | {key: env[key] for key, _ in self._in_place}, True
 
@@ -141,17 +202,10 @@ class GraphedRunner:
         copied = [key for key in self._user_ids if key in self._moved]
         for key in copied:
             static[key] = env[key].clone()
-        graph = torch.cuda.CUDAGraph()
         try:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # a warm-up on a side stream, as torch's graph recipe asks
-                self._run(static)
-            torch.cuda.current_stream().wait_stream(side)
-            with torch.cuda.graph(graph):
-                out = self._run(static)
+            graph, out = self._recorder.capture(self._run, static)
         except Exception as exc:  # noqa: BLE001 - any failure to record means: run without a graph
-            torch.cuda.synchronize()
+            self._recorder.failed()
             self.disabled = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             self._graph = None
             warnings.warn(f"egraph-compiler: CUDA graphs are off for this {self._name} ({self.disabled}); it runs "

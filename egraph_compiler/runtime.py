@@ -18,7 +18,7 @@ from torch.utils import _pytree as pytree
 from . import ops
 from .errors import CodegenError, InputError
 from .graph import WEAK, Graph, Literal, Node, view_source
-from .graphs import GraphedRunner
+from .graphs import GraphedRunner, recorder_for
 from .plan import Plan, release_schedule, verify_plan
 
 def torch_dtype(dtype: str) -> torch.dtype:
@@ -59,12 +59,13 @@ class Executable:
         self.graphed = None
         self._kinds = [self._output_kind(o) for o in self.graph.outputs]
         self._lent = self._lendable(lend_outputs)
-        if cuda_graphs and target.device == "cuda":
+        recorder = recorder_for(target.device) if cuda_graphs else None
+        if recorder is not None:
             user = [id(n) for n in self.graph.inputs if n.attr("name") not in self.graph.bound]
             computed = [i for i in self._lent if self.graph.outputs[i].op != "const"
                         and not self._constant(self.graph.outputs[i])]  # (constants are never rewritten)
             lend = (lambda env: [self._tensor(self.graph.outputs[i], env) for i in computed]) if self._lent else None
-            self.graphed = GraphedRunner(self._run, user, lend=lend)
+            self.graphed = GraphedRunner(self._run, user, lend=lend, recorder=recorder)
             if any(k.output.group == "collective" for k in plan.kernels):
                 self.graphed.disabled = "the program has collectives, which are not recorded into CUDA graphs"
 

@@ -1,8 +1,6 @@
 """The CUDA target on a GPU (skipped where there is none, as on CI; run on the
 H200 through the device tool): forms the GPU soak found crashing, and random
 programs compiled for CUDA against eager and float64 on the CPU."""
-import copy
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,6 +10,7 @@ import egraph_compiler as egc
 from programs import check, failure_message, programs
 from test_differential import fuzz_settings
 from test_dtypes import BIG, INTEGER_ARITHMETIC
+from test_graphs_emulated import _assert_lent, _training_steps
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -203,26 +202,6 @@ def test_grouped_query_attention_with_a_mask():
         torch.testing.assert_close(compiled(q, k, v, mask), want, atol=1e-4, rtol=1e-4)
 
 
-def _training_steps(compiled, model, batches, accumulate: int = 1, set_to_none: bool = True):
-    """AdamW steps on `batches` (`accumulate` forwards before their backwards), eager and compiled
-    from the same start: the parameters after them."""
-    results = []
-    start = copy.deepcopy(model.state_dict())
-    for fn in (compiled, model):
-        model.load_state_dict(start)
-        for p in model.parameters():
-            p.grad = None
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        for i in range(0, len(batches), accumulate):
-            opt.zero_grad(set_to_none=set_to_none)
-            losses = [(fn(x) * w).sum() for x, w in batches[i:i + accumulate]]  # forwards first
-            for loss in losses:
-                loss.backward()
-            opt.step()
-        results.append([p.detach().clone() for p in model.parameters()])
-    return results
-
-
 @pytest.mark.parametrize("accumulate, set_to_none", [(1, True), (2, True), (1, False)])
 def test_training_graphs_lend_saved_activations_and_gradients(accumulate, set_to_none):
     """reduce-overhead training: the forward's graph lends the activations it saves (no copy out), the
@@ -233,22 +212,10 @@ def test_training_graphs_lend_saved_activations_and_gradients(accumulate, set_to
     model = torch.nn.Sequential(torch.nn.LayerNorm(64), torch.nn.Linear(64, 128), torch.nn.GELU(),
                                 torch.nn.Linear(128, 64), torch.nn.LogSoftmax(-1)).cuda()
     batches = [(torch.randn(8, 32, 64, device="cuda"), torch.randn(8, 32, 64, device="cuda")) for _ in range(8)]
-    torch._dynamo.reset()
-    egc.last_plans(clear=True)
-    compiled = torch.compile(model, backend="egraph", mode="reduce-overhead")
-    got, want = _training_steps(compiled, model, batches, accumulate, set_to_none)
+    got, want = _training_steps(model, batches, accumulate, set_to_none)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
-    programs = egc.last_compiled()[-2:]
-    forward, backward = (c._executable.graphed for c in programs)
-    assert forward.recorded and backward.recorded
-    assert programs[0]._executable._lent and programs[1]._executable._lent
-    if accumulate == 2:
-        assert forward.held_runs >= 1 and backward.held_runs >= 1
-    else:  # (autograd takes a lent gradient as .grad only where .grad is None: zero_grad() freed it)
-        assert forward.held_runs == backward.held_runs == 0 and forward.lending and backward.lending
-        assert backward.copied_inputs < len(backward._user_ids) - len(programs[0]._executable._lent), \
-            "backward reads the lent activations in place"
+    _assert_lent(accumulate)
 
 
 def test_cuda_graphs_take_strided_inputs_in_place():

@@ -1,0 +1,112 @@
+"""CUDA graphs' bookkeeping on the CPU (CI has no GPU): `EGC_EMULATE_CUDA_GRAPHS=1`
+makes a replay rerun the program and write its results into the recorded buffers,
+as a real replay rewrites them (graphs.EmulatedRecorder).  The runner's logic is the
+one the GPU runs: inputs read in place or copied, training's lent activations and
+gradients, held buffers.  The same tests run on the H200 in test_cuda.py."""
+import copy
+
+import pytest
+import torch
+
+import egraph_compiler as egc
+from egraph_compiler.graphs import EMULATE_ENV, GraphedRunner
+
+
+@pytest.fixture(autouse=True)
+def emulated(monkeypatch):
+    monkeypatch.setenv(EMULATE_ENV, "1")
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.LayerNorm(32), torch.nn.Linear(32, 64), torch.nn.GELU(),
+                               torch.nn.Linear(64, 32), torch.nn.LogSoftmax(-1))
+
+
+def _training_steps(model, batches, accumulate: int, set_to_none: bool = True):
+    """AdamW steps, compiled (reduce-overhead) and eager from the same start: parameters after them."""
+    torch._dynamo.reset()
+    egc.last_plans(clear=True)
+    compiled = torch.compile(model, backend="egraph", mode="reduce-overhead")
+    results, start = [], copy.deepcopy(model.state_dict())
+    for fn in (compiled, model):
+        model.load_state_dict(start)
+        for p in model.parameters():
+            p.grad = None
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for i in range(0, len(batches), accumulate):
+            opt.zero_grad(set_to_none=set_to_none)
+            losses = [(fn(x) * w).sum() for x, w in batches[i:i + accumulate]]  # forwards first
+            for loss in losses:
+                loss.backward()
+            opt.step()
+        results.append([p.detach().clone() for p in model.parameters()])
+    return results
+
+
+def _batches(n=8):
+    return [(torch.randn(4, 8, 32), torch.randn(4, 8, 32)) for _ in range(n)]
+
+
+@pytest.mark.parametrize("accumulate, set_to_none", [(1, True), (2, True), (1, False), (3, True)])
+def test_training_lends_activations_and_gradients_without_overwriting_them(accumulate, set_to_none):
+    model = _model()
+    got, want = _training_steps(model, _batches(12), accumulate, set_to_none)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+    _assert_lent(accumulate)
+
+
+def _assert_lent(accumulate: int) -> None:
+    """The last forward and backward programs recorded, lent, and (accumulating) held."""
+    programs = egc.last_compiled()[-2:]
+    forward, backward = (c._executable.graphed for c in programs)
+    assert forward.recorded and backward.recorded
+    assert programs[0]._executable._lent and programs[1]._executable._lent
+    if accumulate == 1:  # nothing held over a call: every replay lends, backward reads in place
+        assert forward.held_runs == backward.held_runs == 0 and forward.lending and backward.lending
+        assert backward.copied_inputs < len(backward._user_ids) - len(programs[0]._executable._lent)
+    else:  # a second forward while the first's activations wait for backward: run without the graph
+        assert forward.held_runs >= 1
+
+
+def test_the_emulation_sees_a_replay_that_overwrites_held_buffers(monkeypatch):
+    """The check that makes lending safe, switched off: gradient accumulation then reads activations a
+    later replay overwrote, and the parameters differ from eager's.  (What the tests above rely on.)"""
+    monkeypatch.setattr(GraphedRunner, "_held", lambda self: False)
+    got, want = _training_steps(_model(), _batches(12), accumulate=2)
+    assert any(not torch.allclose(g, w, rtol=1e-4, atol=1e-5) for g, w in zip(got, want))
+
+
+def test_inputs_read_in_place_follow_their_values_and_moved_ones_are_copied():
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 8))
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        compiled = egc.compile(model, [x], cuda_graphs=True)
+        for step in range(5):
+            x.copy_(torch.randn(4, 16))  # the same tensor, new values
+            torch.testing.assert_close(compiled(x), model(x))
+        graphed = compiled._executable.graphed
+        assert graphed.recorded and graphed.copied_inputs == 0
+        outs = [(y, compiled(y)) for y in (torch.randn(4, 16) for _ in range(4))]
+        for y, out in outs:  # every earlier result intact after later replays
+            torch.testing.assert_close(out, model(y))
+        assert graphed.copied_inputs == 1
+        model[0].weight.data = torch.randn(32, 16)  # a new parameter tensor: recorded again
+        torch.testing.assert_close(compiled(x), model(x))
+
+
+def test_strided_inputs_are_made_contiguous_inside_the_graph():
+    base = torch.randn(48, 32)
+
+    def fn(a):
+        return torch.softmax(a * 2, -1)
+    compiled = egc.compile(fn, [base.t()], cuda_graphs=True)
+    with torch.no_grad():
+        for _ in range(4):
+            base.normal_()
+            torch.testing.assert_close(compiled(base.t()), fn(base.t()))
+        assert compiled._executable.graphed.copied_inputs == 0
+        flat = torch.randn(48 * 32)
+        for a in (flat.view(48, 32).t(), flat.view(32, 48), flat.view(48, 32).t()):  # one address, two layouts
+            torch.testing.assert_close(compiled(a), fn(a))
