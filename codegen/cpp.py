@@ -8,7 +8,8 @@ import ctypes
 
 from egraph_compiler.cache import build_shared_object
 from egraph_compiler.errors import IndexOutOfRange
-from egraph_compiler.loopir import ERROR_FLAG, STASH, Acc, LoopKernel, contains, has_gather, transposed_reads
+from egraph_compiler.loopir import (ERROR_FLAG, STASH, Acc, LoopKernel, contains, gathers, has_gather, loads,
+                                    transposed_reads, variables)
 
 from .walker import Target, float_literal, render_expr, render_index
 
@@ -203,7 +204,28 @@ def render_kernel(k: LoopKernel) -> str:
         lines.append(f"    for (int64_t r = 0; r < {k.inner}; ++r) {{ {inner} }}")
     lines += [f"    {_store(p, i, v, types)}" for p, i, v, in_inner in stores if not in_inner]
     lines += ["  }", "}"]
-    return "\n".join(lines)
+    return "\n".join(_hoist_rows(k, types, lines))
+
+
+def _hoist_rows(k: LoopKernel, types, lines: list[str]) -> list[str]:
+    """A gather whose row depends on the outer index alone (an embedding: one token per row) takes
+    its row once per outer index, before the inner loops: inside them, egc_row's branch on a bad
+    index is control flow that keeps g++ from vectorising the loop."""
+    exprs = [red.body for red in k.reductions] + [k.value] + [s[2] for s in k.extra_stores]
+    calls = {}
+    for g in (g for e in exprs for g in gathers(e)):
+        reads = list(loads(g.row))
+        if reads and all(variables(r.index) <= {"o"} and r.param != STASH for r in reads) \
+                and not any(True for _ in gathers(g.row)):
+            text = TARGET.row.format(row=_expr(g.row, types), rows=TARGET.int_const(g.rows), err=ERROR_FLAG)
+            calls.setdefault(text, f"egc_g{len(calls)}")
+    if not calls:
+        return lines
+    at = next(i for i, line in enumerate(lines) if line.startswith("  for (int64_t o = 0;")) + 1
+    body = lines[at:]
+    for text, name in calls.items():
+        body = [line.replace(text, name) for line in body]
+    return lines[:at] + [f"    const int64_t {name} = {text};" for text, name in calls.items()] + body
 
 
 TILE = 32  # a transposing kernel's square tile: its reads of each row's cache line all hit

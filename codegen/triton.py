@@ -23,7 +23,7 @@ from dataclasses import replace
 from egraph_compiler import remote
 from egraph_compiler.cache import cache_dir
 from egraph_compiler.errors import EgraphCompilerError, IndexOutOfRange
-from egraph_compiler.loopir import ERROR_FLAG, STASH, Affine, Load, LoopKernel, has_gather, substitute
+from egraph_compiler.loopir import ERROR_FLAG, STASH, Affine, Load, LoopKernel, has_gather, substitute, variables
 
 from . import triton_split
 from .walker import Target, render_expr, render_index
@@ -136,7 +136,7 @@ class _Kernel:
         if e.param == STASH:
             return "stash"
         index = render_index(e.index, TABLE)
-        names = _variables(e.index) & {"o", "r"}  # (a gather's row is already in range)
+        names = variables(e.index) & {"o", "r"}  # (a gather's row is already in range)
         mask = {frozenset(): None, frozenset({"o"}): "omask", frozenset({"r"}): "rmask"}.get(frozenset(names), "mask")
         text = f"tl.load({e.param} + ({index})" + (f", mask={mask}, other=0)" if mask else ")")
         # narrow floats compute in float32; integers stay integers (computed exactly)
@@ -229,13 +229,6 @@ class _Kernel:
 
 def _stash_index(k: LoopKernel):
     return Affine.var("r", k.inner)
-
-
-def _variables(index) -> set:
-    out = set()
-    for term, _ in index.terms:
-        out |= {term[1]} if term[0] == "var" else _variables(term[1])
-    return out
 
 
 def _pow2(n: int) -> int:

@@ -164,6 +164,25 @@ def stride(index: "Affine", var: str) -> int:
     return sum(c for term, c in index.terms if term[0] == "var" and term[1] == var)
 
 
+def variables(index: "Affine") -> set:
+    """The loop variables an index uses (inside its divisions and modulos too)."""
+    out = set()
+    for term, _ in index.terms:
+        out |= {term[1]} if term[0] == "var" else variables(term[1])
+    return out
+
+
+def gathers(e):
+    """Every gather in a scalar expression, outermost first."""
+    if isinstance(e, Gather):
+        yield e
+        yield from gathers(e.value)
+        yield from gathers(e.row)
+    elif isinstance(e, Call):
+        for a in e.args:
+            yield from gathers(a)
+
+
 def transposed_reads(k: "LoopKernel") -> bool:
     """A pointwise kernel that reads a matrix across its rows: a load whose consecutive
     inner indices lie far apart and consecutive outer ones side by side (a transpose)."""
