@@ -8,8 +8,8 @@ import ctypes
 
 from egraph_compiler.cache import build_shared_object
 from egraph_compiler.errors import IndexOutOfRange
-from egraph_compiler.loopir import (ERROR_FLAG, STASH, Acc, LoopKernel, contains, gathers, has_gather, loads,
-                                    transposed_reads, variables)
+from egraph_compiler.loopir import (ERROR_FLAG, STASH, Acc, Call, Const, Load, LoopKernel, contains, gathers,
+                                    has_gather, transposed_reads, variables)
 
 from .walker import Target, float_literal, render_expr, render_index
 
@@ -214,9 +214,7 @@ def _hoist_rows(k: LoopKernel, types, lines: list[str]) -> list[str]:
     exprs = [red.body for red in k.reductions] + [k.value] + [s[2] for s in k.extra_stores]
     calls = {}
     for g in (g for e in exprs for g in gathers(e)):
-        reads = list(loads(g.row))
-        if reads and all(variables(r.index) <= {"o"} and r.param != STASH for r in reads) \
-                and not any(True for _ in gathers(g.row)):
+        if _outer_only(g.row):
             text = TARGET.row.format(row=_expr(g.row, types), rows=TARGET.int_const(g.rows), err=ERROR_FLAG)
             calls.setdefault(text, f"egc_g{len(calls)}")
     if not calls:
@@ -226,6 +224,15 @@ def _hoist_rows(k: LoopKernel, types, lines: list[str]) -> list[str]:
     for text, name in calls.items():
         body = [line.replace(text, name) for line in body]
     return lines[:at] + [f"    const int64_t {name} = {text};" for text, name in calls.items()] + body
+
+
+def _outer_only(e) -> bool:
+    """An expression of loads indexed by the outer index alone (no accumulator, gather or stash)."""
+    if isinstance(e, Load):
+        return e.param != STASH and variables(e.index) <= {"o"}
+    if isinstance(e, Call):
+        return all(_outer_only(a) for a in e.args)
+    return isinstance(e, Const)
 
 
 TILE = 32  # a transposing kernel's square tile: its reads of each row's cache line all hit

@@ -195,7 +195,7 @@ class GraphedRunner:
             self._bound_keys = [k for k in env if k not in users]
         return [(env[k].data_ptr(), env[k].shape, env[k].stride()) for k in self._bound_keys]
 
-    def _record(self, env, last: dict[int, int]) -> bool:
+    def _record(self, env, last: dict[int, tuple]) -> bool:
         if self._graph is None and not self._in_place:  # the first recording: who stayed put since the last call
             self._moved.update(key for key in self._user_ids if (env[key].data_ptr(), env[key].stride()) != last.get(key))
         static = dict(env)
