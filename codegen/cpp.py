@@ -181,6 +181,8 @@ def render_kernel(k: LoopKernel) -> str:
     lines.append(f"  for (int64_t o = 0; o < {k.outer}; ++o) {{")
     if k.stash_last:
         lines.append(f"    alignas(64) float {STASH}[{k.inner}];")
+    bounded, exps = _bounded_exps(k, types)
+    split = None
     for group in _passes(k):
         steps, clauses = [], []
         for i, red in group:
@@ -188,6 +190,11 @@ def render_kernel(k: LoopKernel) -> str:
             body = _expr(red.body, types)
             lines.append(init.format(acc=red.acc))
             step = step.format(acc=red.acc, v=body)[2:-2]
+            if red.acc == bounded:  # the row's minimum beside its maximum
+                lines.append(f"    float {red.acc}_lo = INFINITY;")
+                step = step.replace(f"{red.acc} = std::max({red.acc}, v); ",
+                                    f"{red.acc} = std::max({red.acc}, v); {red.acc}_lo = std::min({red.acc}_lo, v); ")
+                pragma += f" reduction(min:{red.acc}_lo)"
             if k.stash_last and i == len(k.reductions) - 1:
                 step = f"const float s = {body}; {STASH}[r] = s; " + \
                     _REDUCTIONS[red.combiner][2].format(acc=red.acc, v="s")[2:-2]
@@ -197,14 +204,56 @@ def render_kernel(k: LoopKernel) -> str:
         lines.append(f"    for (int64_t r = 0; r < {k.inner}; ++r) {{ " + " ".join(steps) + " }")
         lines += [_REDUCTIONS[red.combiner][3].format(acc=red.acc, n=k.inner) for _, red in group
                   if _REDUCTIONS[red.combiner][3]]
+        if any(red.acc == bounded for _, red in group):
+            split = len(lines)
     stores = [(k.store_param, k.store_index, k.value, k.store_in_inner)] + list(k.extra_stores)
     inner = " ".join(_store(p, i, v, types) for p, i, v, in_inner in stores if in_inner)
     if inner:
         lines.append("    #pragma omp simd")
         lines.append(f"    for (int64_t r = 0; r < {k.inner}; ++r) {{ {inner} }}")
     lines += [f"    {_store(p, i, v, types)}" for p, i, v, in_inner in stores if not in_inner]
+    if split is not None:
+        rest = lines[split:]
+        fast = [_replace_all(line, exps) for line in rest]
+        lines[split:] = ([f"    if ({bounded}_lo - {bounded} >= -87.0f) {{  // every exp argument >= -87: plain expf"]
+                         + ["  " + line for line in fast] + ["    } else {"] + ["  " + line for line in rest] + ["    }"])
     lines += ["  }", "}"]
     return "\n".join(_hoist_rows(k, types, lines))
+
+
+def _bounded_exps(k: LoopKernel, types) -> tuple[str | None, dict[str, str]]:
+    """softmax's exp(x - max(x)): the guard in egc_exp (glibc's vector expf is 10x slower below
+    -87, a mask's -inf) costs an exp-bound loop ~20% when no argument comes near -87.  Where a
+    later expression takes exp(b - m) of a row maximum m of b, the max pass also takes b's
+    minimum, and the rest of the row is rendered twice: with plain expf for those calls where
+    min(b) - m >= -87 (so is every b - m: float subtraction is monotonic; a NaN takes the
+    guarded copy), and as before otherwise."""
+    maxima = {red.acc: red.body for red in k.reductions if red.combiner == "max"}
+    later = [red.body for red in k.reductions if red.combiner != "max"] + [k.value] + [s[2] for s in k.extra_stores]
+    found: dict[str, dict[str, str]] = {}
+    for e in (e for root in later for e in _calls(root, "exp")):
+        arg = e.args[0]
+        if (isinstance(arg, Call) and arg.op == "sub" and isinstance(arg.args[1], Acc)
+                and maxima.get(arg.args[1].name) == arg.args[0]):
+            text = _expr(e, types)
+            if text.startswith("egc_exp("):
+                found.setdefault(arg.args[1].name, {})[text] = "expf(" + text[len("egc_exp("):]
+    first = next((acc for acc in maxima if acc in found), None)
+    return first, found.get(first, {})
+
+
+def _calls(e, op: str):
+    if isinstance(e, Call):
+        if e.op == op:
+            yield e
+        for a in e.args:
+            yield from _calls(a, op)
+
+
+def _replace_all(line: str, texts: dict[str, str]) -> str:
+    for old, new in texts.items():
+        line = line.replace(old, new)
+    return line
 
 
 def _hoist_rows(k: LoopKernel, types, lines: list[str]) -> list[str]:

@@ -326,3 +326,24 @@ def test_transposing_kernels_run_in_tiles(name):
     assert "rt +=" in compiled.source, compiled.source[-1500:]
     assert not compiled.plan.fallbacks, str(compiled.plan)
     torch.testing.assert_close(compiled(x), fn(x))
+
+
+@pytest.mark.parametrize("target", ["cpu", "triton"])
+def test_exp_near_and_below_the_fast_range(target):
+    """Rows whose exp(x - max) arguments stay above -87 (C++: plain vector expf), and rows that
+    reach below it: -inf, finfo.min, denormal results (-87..-104), zero below, NaN, a row of
+    -inf; softmax and log_softmax side by side, and exp alone over the same range."""
+    def fn(x):
+        return torch.softmax(x, -1), torch.log_softmax(x * 0.5, -1), torch.exp(x - 20.0)
+    rows = [torch.randn(16), torch.linspace(-86.5, 0, 16), torch.linspace(-95, 0, 16),
+            torch.linspace(-110, 0, 16), torch.full((16,), float("-inf")), torch.randn(16)]
+    rows[1][3], rows[5][:4] = float("-inf"), torch.finfo(torch.float32).min
+    nan_row = torch.randn(16)
+    nan_row[7] = float("nan")
+    x = torch.stack(rows + [nan_row, torch.randn(16) * 30])
+    compiled = egraph_compiler.compile(fn, [x], target=target)
+    for got, want in zip(compiled(x), fn(x)):
+        torch.testing.assert_close(got, want, atol=1e-30, rtol=1e-5, equal_nan=True)
+        assert torch.equal(got == 0, want == 0) and torch.equal(got.isnan(), want.isnan())
+    if target == "cpu":  # the split is there: plain expf where the row allows, the guard otherwise
+        assert "plain expf" in compiled.source and "egc_exp(" in compiled.source.split("plain expf", 1)[1]
