@@ -5,7 +5,8 @@ The measurement (about a second, and three C++ compiles, cached): copy bandwidth
 (a 64 MB copy), the rate generated code reaches in the op table's FLOP units (a
 compiled chain of multiply-adds), what its transcendental calls cost against that
 (compiled chains of exp and of tanh: `DeviceProfile.exp_cost`, `tanh_cost`), matmul
-FLOP rate (what the library reaches), and the fixed cost of one kernel call.  Each is the best of nine runs, and a
+FLOP rate (what the library reaches), fused attention's rate over 256 queries and its
+cost per FLOP over 128 against that (`attention_short`), and the fixed cost of one kernel call.  Each is the best of nine runs, and a
 reading whose runs disagree (the median more than 1.5x the best: the machine is
 busy) is refused: the fixed table serves that process, and the next measures
 again, so a calibration taken under load is never cached.
@@ -18,10 +19,10 @@ import time
 
 import torch
 
-from .cost import PROFILES, TRANSCENDENTAL, DeviceProfile
+from .cost import LONG_QUERIES, PROFILES, SHORT_QUERIES, TRANSCENDENTAL, DeviceProfile
 from .cache import cache_dir
 
-PROFILE_VERSION = 6
+PROFILE_VERSION = 7
 UNSTABLE = 1.5  # a reading whose median run is this much slower than its best was taken on a busy machine
 _refused = False  # this process found the machine too busy once: the fixed table, no second attempt
 
@@ -75,7 +76,20 @@ def _measure_cpu() -> DeviceProfile:
     launch = _best_seconds(lambda: [torch.add(one, one) for _ in range(100)]) / 100
     exp_cost, tanh_cost = (_transcendental_cost(fn, op, flops) for fn, op in ((_exp_chain, "exp"),
                                                                               (_tanh_chain, "tanh")))
-    return DeviceProfile("cpu", bandwidth, flops, library, launch, exp_cost=exp_cost, tanh_cost=tanh_cost)
+    attention, short = _attention_rates()
+    return DeviceProfile("cpu", bandwidth, flops, library, launch, exp_cost=exp_cost, tanh_cost=tanh_cost,
+                         attention_flops=attention, attention_short=short)
+
+
+def _attention_rates() -> tuple[float, float]:
+    """(FLOP / s of torch's fused attention over LONG_QUERIES queries, its per-FLOP cost over
+    SHORT_QUERIES against that): 8 heads of 64, as the op table counts its FLOPs."""
+    rates = []
+    for queries in (LONG_QUERIES, SHORT_QUERIES):
+        q, k, v = (torch.randn(1, 8, queries, 64) for _ in range(3))
+        seconds = _best_seconds(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v))
+        rates.append(4.0 * 8 * queries * queries * 64 / seconds)
+    return rates[0], max(1.0, rates[0] / rates[1])
 
 
 def _transcendental_cost(chain, op: str, rate: float) -> float:

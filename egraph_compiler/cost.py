@@ -29,6 +29,13 @@ class DeviceProfile:
     # sigmoid, silu, softmax, pow, cos, sin) and tanh's (tanh, gelu_tanh, erf, gelu)
     exp_cost: float = 1.0
     tanh_cost: float = 1.0
+    # what a FLOP of fused attention over SHORT_QUERIES queries costs against one over
+    # LONG_QUERIES (log-linear between): torch's CPU flash attention works in small query
+    # blocks there (16 cores: 3-4x slower per FLOP at 128 queries than at 256)
+    attention_short: float = 1.0
+
+
+SHORT_QUERIES, LONG_QUERIES = 128, 256
 
 
 ATTENTION = frozenset({"sdpa", "sdpa_mask"})
@@ -113,7 +120,18 @@ def op_flops(op: str, out_shape, in_shapes, profile: DeviceProfile | None = None
         kind, share = TRANSCENDENTAL[op]
         factor = profile.exp_cost if kind == "exp" else profile.tanh_cost
         flops *= 1 + (factor - 1) * share / ops.get(op).flops
+    if profile is not None and op in ATTENTION and profile.attention_short != 1.0:
+        flops *= attention_weight(in_shapes[0][-2], profile.attention_short)
     return flops
+
+
+def attention_weight(queries: int, short: float) -> float:
+    """The per-FLOP weight of fused attention over `queries` queries (`attention_short`)."""
+    if queries <= SHORT_QUERIES:
+        return short
+    if queries >= LONG_QUERIES:
+        return 1.0
+    return short ** (math.log(LONG_QUERIES / queries) / math.log(LONG_QUERIES / SHORT_QUERIES))
 
 
 def _table_flops(op: str, out_shape, in_shapes) -> float:

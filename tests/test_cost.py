@@ -79,3 +79,26 @@ def test_transcendental_calls_are_weighted_by_the_profile():
     assert op_flops("softmax", (4, 8), [(4, 8)], profile) == 32 * (7 + 8)  # its exp's 4 count three times
     assert op_flops("add", (10,), [(10,), (10,)], profile) == 10
     assert op_flops("exp", (10,), [(10,)], PROFILES["h200"]) == 40  # fixed tables: the table's FLOPs
+
+
+def test_short_attention_is_charged_its_measured_price(monkeypatch):
+    """torch's CPU flash attention over 128 queries costs 3-4x more per FLOP than over 256 on
+    16 cores (BENCHMARKS.md); calibration measures that factor, and where it is large the
+    plan takes attention as two matmuls around a generated softmax instead."""
+    from dataclasses import replace
+
+    from egraph_compiler import workloads
+    from egraph_compiler.cost import PROFILES, attention_weight
+    assert attention_weight(128, 4.0) == attention_weight(32, 4.0) == 4.0
+    assert attention_weight(256, 4.0) == attention_weight(4096, 4.0) == 1.0
+    assert attention_weight(181, 4.0) == pytest.approx(2.0, rel=0.01)  # log-linear between
+    monkeypatch.setitem(PROFILES, "cpu-cheap-attention", replace(PROFILES["cpu"], attention_short=1.0))
+    monkeypatch.setitem(PROFILES, "cpu-dear-attention", replace(PROFILES["cpu"], attention_short=8.0))
+    q, k, v = (torch.randn(2, 4, 128, 64) for _ in range(3))
+    ops_of = {}
+    for profile in ("cpu-cheap-attention", "cpu-dear-attention"):
+        compiled = egc.compile(workloads.attention_by_hand, [q, k, v], profile=profile)
+        torch.testing.assert_close(compiled(q, k, v), workloads.attention_by_hand(q, k, v), atol=1e-5, rtol=1e-5)
+        ops_of[profile] = [kernel.output.op for kernel in compiled.plan.kernels]
+    assert ops_of["cpu-cheap-attention"] == ["sdpa"]
+    assert "sdpa" not in ops_of["cpu-dear-attention"] and ops_of["cpu-dear-attention"].count("matmul") == 2
