@@ -4,9 +4,9 @@ CPU's, calibrated on first use by a short measurement and cached on disk.
 The measurement (about a second, and three C++ compiles, cached): copy bandwidth
 (a 64 MB copy), the rate generated code reaches in the op table's FLOP units (a
 compiled chain of multiply-adds), what its transcendental calls cost against that
-(compiled chains of exp and of tanh: `DeviceProfile.exp_cost`, `tanh_cost`), matmul
-FLOP rate (what the library reaches), fused attention's rate over 256 queries and its
-cost per FLOP over 128 against that (`attention_short`), and the fixed cost of one kernel call.  Each is the best of nine runs, and a
+(compiled chains of exp and of tanh: `DeviceProfile.exp_cost`, `tanh_cost`), the
+library's matmul and fused attention rates and their fixed cost per call (each fitted
+to two sizes), and the fixed cost of one kernel call.  Each is the best of nine runs, and a
 reading whose runs disagree (the median more than 1.5x the best: the machine is
 busy) is refused: the fixed table serves that process, and the next measures
 again, so a calibration taken under load is never cached.
@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from .cost import LONG_QUERIES, PROFILES, SHORT_QUERIES, TRANSCENDENTAL, DeviceProfile
+from .cost import PROFILES, TRANSCENDENTAL, DeviceProfile
 from .cache import cache_dir
 
 PROFILE_VERSION = 7
@@ -70,26 +70,34 @@ def _measure_cpu() -> DeviceProfile:
     src, dst = torch.ones(n), torch.empty(n)
     bandwidth = 2 * 4 * n / _best_seconds(lambda: dst.copy_(src))
     flops, _ = _generated_rate(_chain)
-    a, b = torch.randn(512, 512), torch.randn(512, 512)
-    library = 2 * 512 ** 3 / _best_seconds(lambda: torch.mm(a, b))
+    library, library_launch = _fitted([(2 * n ** 3, lambda n=n, a=torch.randn(n, n): torch.mm(a, a))
+                                       for n in (256, 512)])
     one = torch.ones(1)
     launch = _best_seconds(lambda: [torch.add(one, one) for _ in range(100)]) / 100
     exp_cost, tanh_cost = (_transcendental_cost(fn, op, flops) for fn, op in ((_exp_chain, "exp"),
                                                                               (_tanh_chain, "tanh")))
-    attention, short = _attention_rates()
+    attention, attention_launch = _fitted([(4.0 * 8 * n * n * 64, _attention(n)) for n in (128, 256)])
     return DeviceProfile("cpu", bandwidth, flops, library, launch, exp_cost=exp_cost, tanh_cost=tanh_cost,
-                         attention_flops=attention, attention_short=short)
+                         attention_flops=attention, library_launch=library_launch, attention_launch=attention_launch)
 
 
-def _attention_rates() -> tuple[float, float]:
-    """(FLOP / s of torch's fused attention over LONG_QUERIES queries, its per-FLOP cost over
-    SHORT_QUERIES against that): 8 heads of 64, as the op table counts its FLOPs."""
-    rates = []
-    for queries in (LONG_QUERIES, SHORT_QUERIES):
-        q, k, v = (torch.randn(1, 8, queries, 64) for _ in range(3))
-        seconds = _best_seconds(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v))
-        rates.append(4.0 * 8 * queries * queries * 64 / seconds)
-    return rates[0], max(1.0, rates[0] / rates[1])
+def _attention(queries: int):
+    q, k, v = (torch.randn(1, 8, queries, 64) for _ in range(3))
+    return lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+
+def _fitted(calls) -> tuple[float, float]:
+    """(FLOP / s, seconds per call) of a library op, fitted to its times at two sizes
+    ((FLOPs, call) pairs, smaller first): time = fixed + FLOPs / rate.  Small calls run
+    far below the large ones' rate (thread start-up, packing): on 16 cores a matmul of
+    34 MFLOP took twice its FLOPs at the 512-cube's rate."""
+    (small, small_call), (large, large_call) = calls
+    t_small, t_large = _best_seconds(small_call), _best_seconds(large_call)
+    if t_large <= t_small * 1.05:  # (no slope to fit: the large call's rate, nothing fixed)
+        return large / t_large, 0.0
+    rate = (large - small) / (t_large - t_small)
+    fixed = max(0.0, t_small - small / rate)
+    return rate, fixed
 
 
 def _transcendental_cost(chain, op: str, rate: float) -> float:

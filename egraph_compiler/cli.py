@@ -287,8 +287,9 @@ def rules_verify(paths: list[Path] = PATHS,
 
 
 def _profile_line(name: str, p) -> str:
-    attention = f" (attention {p.attention_flops / 1e9:.0f}, {p.attention_short:.1f}x per FLOP at 128 queries)" \
+    attention = f" (attention {p.attention_flops / 1e9:.0f} + {p.attention_launch * 1e6:.0f} us per call)" \
         if p.attention_flops else ""
+    attention = f" + {p.library_launch * 1e6:.0f} us per call" + attention if p.library_launch else attention
     return (f"{name}: bandwidth {p.bandwidth / 1e9:.1f} GB/s, generated code {p.flops / 1e9:.1f} GFLOP/s "
             f"(a FLOP of exp {p.exp_cost:.1f}x, of tanh {p.tanh_cost:.1f}x), library {p.library_flops / 1e9:.1f} "
             f"GFLOP/s{attention}, launch {p.launch * 1e6:.2f} us")

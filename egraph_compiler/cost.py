@@ -29,16 +29,20 @@ class DeviceProfile:
     # sigmoid, silu, softmax, pow, cos, sin) and tanh's (tanh, gelu_tanh, erf, gelu)
     exp_cost: float = 1.0
     tanh_cost: float = 1.0
-    # what a FLOP of fused attention over SHORT_QUERIES queries costs against one over
-    # LONG_QUERIES (log-linear between): torch's CPU flash attention works in small query
-    # blocks there (16 cores: 3-4x slower per FLOP at 128 queries than at 256)
-    attention_short: float = 1.0
-
-
-SHORT_QUERIES, LONG_QUERIES = 128, 256
+    # what a library call costs beyond its FLOPs at the rate (thread start-up, packing): fitted,
+    # with the rate, from two sizes (16 cores: +35 us per matmul, +100 us per fused attention)
+    library_launch: float = 0.0
+    attention_launch: float = 0.0
 
 
 ATTENTION = frozenset({"sdpa", "sdpa_mask"})
+
+
+def launch_cost(profile: DeviceProfile, library: bool, op: str = "") -> float:
+    """A kernel's fixed cost: its launch, and a library call's own (`library_launch`)."""
+    if not library:
+        return profile.launch
+    return profile.launch + (profile.attention_launch if op in ATTENTION else profile.library_launch)
 
 
 def peak_flops(profile: DeviceProfile, library: bool, op: str = "") -> float:
@@ -74,7 +78,8 @@ def kernel_cost(flops: float, bytes_moved: float, profile: DeviceProfile, librar
     if link:
         return bytes_moved / profile.link_bandwidth + profile.launch
     peak = peak_flops(profile, library, op)
-    return max(flops / peak, bytes_moved / profile.bandwidth) + serial_bytes / profile.bandwidth + profile.launch
+    return (max(flops / peak, bytes_moved / profile.bandwidth) + serial_bytes / profile.bandwidth
+            + launch_cost(profile, library, op))
 
 
 def inlined_cost(flops: float, loads: float, profile: DeviceProfile) -> float:
@@ -90,7 +95,7 @@ def additive_kernel_cost(flops: float, loads: float, store: float, profile: Devi
     if link:
         return kernel_cost(flops, loads + store, profile, link=True)
     peak = peak_flops(profile, library, op)
-    return flops / peak + (loads + store + serial_bytes) / profile.bandwidth + profile.launch
+    return flops / peak + (loads + store + serial_bytes) / profile.bandwidth + launch_cost(profile, library, op)
 
 
 def extra_passes(op: str, in_shapes) -> int:
@@ -120,18 +125,7 @@ def op_flops(op: str, out_shape, in_shapes, profile: DeviceProfile | None = None
         kind, share = TRANSCENDENTAL[op]
         factor = profile.exp_cost if kind == "exp" else profile.tanh_cost
         flops *= 1 + (factor - 1) * share / ops.get(op).flops
-    if profile is not None and op in ATTENTION and profile.attention_short != 1.0:
-        flops *= attention_weight(in_shapes[0][-2], profile.attention_short)
     return flops
-
-
-def attention_weight(queries: int, short: float) -> float:
-    """The per-FLOP weight of fused attention over `queries` queries (`attention_short`)."""
-    if queries <= SHORT_QUERIES:
-        return short
-    if queries >= LONG_QUERIES:
-        return 1.0
-    return short ** (math.log(LONG_QUERIES / queries) / math.log(LONG_QUERIES / SHORT_QUERIES))
 
 
 def _table_flops(op: str, out_shape, in_shapes) -> float:
