@@ -22,7 +22,7 @@ import torch
 from .cost import PROFILES, TRANSCENDENTAL, DeviceProfile
 from .cache import cache_dir
 
-PROFILE_VERSION = 7
+PROFILE_VERSION = 8
 UNSTABLE = 1.5  # a reading whose median run is this much slower than its best was taken on a busy machine
 _refused = False  # this process found the machine too busy once: the fixed table, no second attempt
 
