@@ -273,10 +273,54 @@ def load(source: str, kernels: list[LoopKernel]):
         if shape.split > 1:
             run = triton_split.launcher(module, k, shape, options)
         else:
-            run = (lambda tensors, extra, fn=getattr(module, k.name), grid=shape.grid(), options=options:
-                   fn[grid](*tensors, *extra, **options))
+            run = _direct(getattr(module, k.name), shape.grid(), options)
         calls[k.name] = _checked(run, k.name) if has_gather(k) else (lambda *tensors, run=run: run(tensors, ()))
     return calls, compiled_now
+
+
+def _direct(fn, grid, options):
+    """A kernel's launch.  The first with each specialisation goes through `fn[grid]` (Triton's
+    JITFunction.run: binds the arguments, computes their specialisation key, finds or compiles
+    the kernel), and keeps the compiled kernel it returns; later launches with the same
+    specialisation call that kernel's launcher directly, as Inductor's do.  The key is what
+    Triton specialises pointers on, each one's 16-byte alignment, and the device; dtypes and
+    sizes are fixed per compiled program.  The interpreter and a Triton older than 3.4 (no
+    `triton.knobs`, whose launch hooks the direct launch passes on) take JITFunction.run every time."""
+    launched: dict = {}
+    names = getattr(fn, "arg_names", ())
+    constexprs = [options[name] for name in names[names.index("XBLOCK"):]] \
+        if "XBLOCK" in names and _knobs() is not None else None  # (after the pointers, in order)
+
+    def run(tensors, extra):
+        args = (*tensors, *extra)
+        key = (args[0].device.index, *(t.data_ptr() % 16 == 0 for t in args))
+        kernel = launched.get(key)
+        if kernel is None or constexprs is None:
+            kernel = fn[grid](*args, **options)
+            if constexprs is not None and hasattr(kernel, "packed_metadata") and hasattr(kernel, "function"):
+                launched[key] = kernel
+            return
+        stream = _driver().get_current_stream(args[0].device.index)
+        hooks = _knobs().runtime  # (a profiler's launch hooks see this launch as Triton's own)
+        kernel.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
+                   kernel.function, kernel.packed_metadata, kernel.launch_metadata(grid, stream, *args, *constexprs),
+                   hooks.launch_enter_hook, hooks.launch_exit_hook, *args, *constexprs)
+    return run
+
+
+@functools.cache
+def _knobs():
+    try:
+        from triton import knobs  # (Triton 3.4 and newer: the launch hooks' home)
+    except ImportError:
+        return None
+    return knobs
+
+
+@functools.cache
+def _driver():
+    from triton.runtime import driver
+    return driver.active
 
 
 def kernel_functions(k: LoopKernel, shape: "_Kernel") -> list[tuple[str, list[tuple[str, str]]]]:

@@ -235,3 +235,30 @@ def test_cuda_graphs_take_strided_inputs_in_place():
         flat = torch.randn(64 * 32, device="cuda")
         for a in (flat.view(64, 32).t(), flat.view(32, 64), flat.view(64, 32).t()):  # one address, two layouts
             torch.testing.assert_close(compiled(a), fn(a), atol=1e-5, rtol=1e-5)
+
+
+def test_direct_launches_skip_triton_binding_and_respecialise_on_alignment(monkeypatch):
+    """After a kernel's first launch its compiled kernel is launched directly (no
+    JITFunction.run per call); a pointer of other alignment (a view one element in) goes
+    back through Triton, which compiles that specialisation, and both results are right."""
+    from triton.runtime.jit import JITFunction
+
+    def fn(x, y):
+        return torch.relu(x) * 2 + y.sum(-1, keepdim=True)
+    big = torch.randn(64 * 128 + 1, device="cuda")
+    x, y = big[:-1].view(64, 128), torch.randn(64, 128, device="cuda")
+    compiled = egc.compile(fn, [x, y])
+    calls = []
+    original = JITFunction.run
+    monkeypatch.setattr(JITFunction, "run", lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
+    for _ in range(3):
+        torch.testing.assert_close(compiled(x, y), fn(x, y))
+    first = len(calls)
+    assert first <= len(compiled.plan.kernels)  # each kernel once at most, then direct
+    for _ in range(3):
+        torch.testing.assert_close(compiled(x, y), fn(x, y))
+    assert len(calls) == first
+    shifted = big[1:].view(64, 128)  # 4 bytes past a 16-byte boundary
+    for _ in range(3):
+        torch.testing.assert_close(compiled(shifted, y), fn(shifted, y))
+    assert len(calls) > first  # the new specialisation went through Triton
