@@ -225,6 +225,8 @@ def _scalar_reference(tensors, a):
 def _sdpa(t, a):
     q, k, v = t[:3]
     mask = t[3] if len(t) > 3 else None
+    if mask is not None and mask.dim() < 2:  # a scalar or per-key mask (rules may leave one): torch wants [..., L, S]
+        mask = mask.expand(1, k.shape[-2])
     grouped = gqa(q.shape, k.shape, v.shape)
     if mask is not None:  # torch refuses a mask with more batch than q: broadcast q, k and v to it
         batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-3] + q.shape[-3:-2] if grouped else k.shape[:-2],
@@ -294,6 +296,8 @@ def fused_kernel_mask(mask, keys: int, dtype):
     gives 0.  So: keys materialised (last stride 1), booleans as an additive
     0 / -inf mask in q's dtype, with which the fused kernels give 0 for such a
     row, as the math kernel does."""
+    if mask.dim() < 2:  # (a scalar or per-key mask, as in `_sdpa`)
+        mask = mask.expand(1, keys)
     if mask.shape[-1] != keys or mask.stride(-1) != 1:
         mask = mask.expand(*mask.shape[:-1], keys).contiguous()
     if mask.dtype == torch.bool:

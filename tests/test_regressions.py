@@ -630,3 +630,19 @@ def test_a_gather_of_a_fused_row_result_waits_for_its_sums(target):
     fn = lambda x, i: torch.tanh(torch.gather(torch.softmax(x, -1).t(), 0, i)).sum(0)  # noqa: E731
     args = [torch.randn(1, 3), torch.tensor([[0], [0], [0]])]
     torch.testing.assert_close(egc.compile(fn, args, target=target)(*args), fn(*args))
+
+
+@pytest.mark.parametrize("mask_shape", [(), (7,), (1,)])
+def test_sdpa_with_a_scalar_or_per_key_mask(mask_shape):
+    """A soak program (seed 6060) reached sdpa_mask with a 0-d mask, which torch's sdpa refuses
+    ("Dimension specified as -2 but tensor has no dimensions"); one that broadcasts is taken as
+    [1, S], as the primitive form broadcasts it."""
+    from egraph_compiler import ops
+    q, k, v = torch.randn(2, 3, 5, 8), torch.randn(2, 3, 7, 8), torch.randn(2, 3, 7, 8)
+    mask = torch.randn(mask_shape)
+    for causal in (False, True):
+        got = ops.get("sdpa_mask").reference([q, k, v, mask], {"scale": 0.3, "causal": causal})
+        scores = q @ k.transpose(-2, -1) * 0.3 + mask
+        if causal:
+            scores = scores.masked_fill(~torch.ones(5, 7, dtype=torch.bool).tril(), float("-inf"))
+        torch.testing.assert_close(got, torch.softmax(scores, -1) @ v)
