@@ -612,6 +612,7 @@ def test_a_chain_that_reads_each_step_twice_renders_a_bounded_kernel(monkeypatch
     def written(e) -> int:  # ops of an expression written out as a tree
         return 1 + sum(written(a) for a in e.args) if isinstance(e, Call) else 1
     x = torch.randn(4, 8) * 0.1
+    monkeypatch.setattr(lower, "MAX_EXPRESSION", 10 ** 9)
     unlimited = egc.compile(chain, [x])
     monkeypatch.setattr(lower, "MAX_EXPRESSION", 64)
     compiled = egc.compile(chain, [x])
@@ -646,3 +647,27 @@ def test_sdpa_with_a_scalar_or_per_key_mask(mask_shape):
         if causal:
             scores = scores.masked_fill(~torch.ones(5, 7, dtype=torch.bool).tril(), float("-inf"))
         torch.testing.assert_close(got, torch.softmax(scores, -1) @ v)
+
+
+def test_a_chain_of_silu_renders_a_bounded_kernel(monkeypatch):
+    """Soak 6060: silu(x) = x / (1 + exp(-x)) writes its operand twice (gelu_tanh five times, x**2
+    twice), so a fused chain of them doubled its source per step while the size check counted
+    each op once: two 6.8 MB lines of C++, g++ ran for minutes (a hang).  The check now counts the
+    copies the renderers write (lower.OPERAND_COPIES, held to both targets' templates here)."""
+    from egraph_compiler import lower
+    from egraph_compiler.codegen import cpp, triton
+    for target in (cpp.TARGET, triton.TABLE):
+        for op, template in target.ops.items():
+            assert template.count("{0}") <= lower.OPERAND_COPIES.get(op, 1), (target.name, op, template)
+        for exponent, template in target.pow_special.items():
+            assert template.count("{0}") <= lower.POW_COPIES.get(exponent, 1), (target.name, exponent)
+
+    def chain(x):
+        for _ in range(10):
+            x = F.silu(x) * 0.5
+        return x
+    monkeypatch.setattr(lower, "MAX_EXPRESSION", 64)
+    x = torch.randn(4, 8)
+    compiled = egc.compile(chain, [x])
+    assert max(len(line) for line in compiled.source.splitlines()) < 10_000
+    torch.testing.assert_close(compiled(x), chain(x), atol=1e-5, rtol=1e-5)
