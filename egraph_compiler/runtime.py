@@ -52,6 +52,7 @@ class Executable:
         self._memo: dict = {}  # values one run of the wrapper shares between its steps
         self._run = self._runner(self.wrapper.names)
         self._scalars: dict[tuple[int, int], torch.Tensor] = {}  # made once: no host copy per call
+        self._views: dict[int, tuple] = {}  # a chain of views: its base's layout -> the view's (see _view)
         bound = self.graph.bound
         self._specs = [(n, id(n), n.shape, torch_dtype(n.dtype)) for n in self.graph.inputs  # per user input
                        if n.attr("name") not in bound]
@@ -196,8 +197,29 @@ class Executable:
         if node.op == "inline":  # a fused producer, in a kernel that runs through torch
             return self._run_torch(node.args[0], env)
         if node.group == "layout":
-            return ops.get(node.op).reference([self._tensor(node.args[0], env)], node.a)
+            return self._view(node, env)
         raise CodegenError(f"{node.op} is read before it is computed")
+
+    def _view(self, node: Node, env) -> torch.Tensor:
+        """A chain of views (reshape, transpose, expand, ...) of a computed tensor, as torch takes it
+        the first time; later calls take the same view in one `as_strided` while the base has the
+        layout seen then (a library call's input behind three to five views cost as many torch calls
+        per call).  A chain that copied (a reshape of a layout it cannot view) is taken again."""
+        base = node
+        while base.group == "layout" and id(base) not in env:
+            base = base.args[0]
+        if id(base) not in env:  # (a constant's views: as torch takes them)
+            return ops.get(node.op).reference([self._tensor(node.args[0], env)], node.a)
+        source = env[id(base)]
+        layout = (source.shape, source.stride(), source.storage_offset())
+        seen = self._views.get(id(node))
+        if seen is not None and seen[0] == layout:
+            return source.as_strided(*seen[1]) if seen[1] else ops.get(node.op).reference(
+                [self._tensor(node.args[0], env)], node.a)
+        value = ops.get(node.op).reference([self._tensor(node.args[0], env)], node.a)
+        viewed = value.untyped_storage().data_ptr() == source.untyped_storage().data_ptr()
+        self._views[id(node)] = (layout, (value.shape, value.stride(), value.storage_offset()) if viewed else None)
+        return value
 
     def _run_torch(self, node: Node, env) -> torch.Tensor:
         args = [self._scalar(a, node) if a.op == "const" else self._tensor(a, env) for a in node.args]

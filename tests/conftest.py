@@ -21,3 +21,11 @@ def _private_cache(tmp_path_factory):
     # cost model with this machine's clock ask for the calibrated one ("cpu")
     os.environ["EGC_PROFILE"] = "cpu-default"
     yield
+
+
+@pytest.fixture(autouse=True)
+def _fallbacks_warned_afresh(monkeypatch):
+    """An ATen fallback is warned once per process (pipeline._warned); each test starts with
+    none warned, so a test that expects the warning does not depend on which test ran first."""
+    from egraph_compiler import pipeline
+    monkeypatch.setattr(pipeline, "_warned", set())
