@@ -293,14 +293,15 @@ def _direct(fn, grid, options):
 
     def run(tensors, extra):
         args = (*tensors, *extra)
-        key = (args[0].device.index, *(t.data_ptr() % 16 == 0 for t in args))
+        device = args[0].device.index
+        key = (device, *(t.data_ptr() % 16 == 0 for t in args))
         kernel = launched.get(key)
         if kernel is None or constexprs is None:
             kernel = fn[grid](*args, **options)
             if constexprs is not None and hasattr(kernel, "packed_metadata") and hasattr(kernel, "function"):
                 launched[key] = kernel
             return
-        stream = _driver().get_current_stream(args[0].device.index)
+        stream = _driver().get_current_stream(device)
         hooks = _knobs().runtime  # (a profiler's launch hooks see this launch as Triton's own)
         kernel.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
                    kernel.function, kernel.packed_metadata, kernel.launch_metadata(grid, stream, *args, *constexprs),

@@ -208,17 +208,15 @@ class Executable:
         base = node
         while base.group == "layout" and id(base) not in env:
             base = base.args[0]
-        if id(base) not in env:  # (a constant's views: as torch takes them)
-            return ops.get(node.op).reference([self._tensor(node.args[0], env)], node.a)
-        source = env[id(base)]
-        layout = (source.shape, source.stride(), source.storage_offset())
+        source = env.get(id(base))  # (None: a constant's views, taken as torch takes them)
+        layout = source is not None and (source.shape, source.stride(), source.storage_offset())
         seen = self._views.get(id(node))
-        if seen is not None and seen[0] == layout:
-            return source.as_strided(*seen[1]) if seen[1] else ops.get(node.op).reference(
-                [self._tensor(node.args[0], env)], node.a)
+        if seen is not None and seen[0] == layout and seen[1]:
+            return source.as_strided(*seen[1])
         value = ops.get(node.op).reference([self._tensor(node.args[0], env)], node.a)
-        viewed = value.untyped_storage().data_ptr() == source.untyped_storage().data_ptr()
-        self._views[id(node)] = (layout, (value.shape, value.stride(), value.storage_offset()) if viewed else None)
+        if source is not None and (seen is None or seen[0] != layout):
+            viewed = value.untyped_storage().data_ptr() == source.untyped_storage().data_ptr()
+            self._views[id(node)] = (layout, (value.shape, value.stride(), value.storage_offset()) if viewed else None)
         return value
 
     def _run_torch(self, node: Node, env) -> torch.Tensor:
