@@ -302,11 +302,17 @@ def _direct(fn, grid, options):
                 launched[key] = kernel
             return
         stream = _driver().get_current_stream(device)
-        hooks = _knobs().runtime  # (a profiler's launch hooks see this launch as Triton's own)
+        hooks = _knobs().runtime  # (a profiler's launch hooks see this launch as Triton's own; with
+        enter, leave = _hook(hooks.launch_enter_hook), _hook(hooks.launch_exit_hook)  # none, no metadata)
+        metadata = kernel.launch_metadata(grid, stream, *args, *constexprs) if enter or leave else None
         kernel.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
-                   kernel.function, kernel.packed_metadata, kernel.launch_metadata(grid, stream, *args, *constexprs),
-                   hooks.launch_enter_hook, hooks.launch_exit_hook, *args, *constexprs)
+                   kernel.function, kernel.packed_metadata, metadata, enter, leave, *args, *constexprs)
     return run
+
+
+def _hook(hook):
+    """A launch hook, or None where there is none (Triton 3.6 and newer keep an empty HookChain)."""
+    return hook if hook is not None and getattr(hook, "calls", True) else None
 
 
 @functools.cache

@@ -26,7 +26,7 @@ import torch
 from . import ops
 from .cost import itemsize
 from .graph import WEAK, Bound, Graph, Node, input_node, rebuild, topo_order
-from .runtime import scalar_tensor, torch_dtype
+from .steps import scalar_tensor, torch_dtype
 
 FOLD_LIMIT_BYTES = 16 << 20
 

@@ -22,6 +22,7 @@ Groups:
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -229,10 +230,8 @@ def _sdpa(t, a):
         mask = mask.expand(1, k.shape[-2])
     grouped = gqa(q.shape, k.shape, v.shape)
     if mask is not None:  # torch refuses a mask with more batch than q: broadcast q, k and v to it
-        batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-3] + q.shape[-3:-2] if grouped else k.shape[:-2],
-                                       v.shape[:-3] + q.shape[-3:-2] if grouped else v.shape[:-2], mask.shape[:-2])
-        kv_batch = batch[:-1] + k.shape[-3:-2] if grouped else batch
-        q, k, v = q.expand(*batch, *q.shape[-2:]), k.expand(*kv_batch, *k.shape[-2:]), v.expand(*kv_batch, *v.shape[-2:])
+        shapes = _attention_shapes(q.shape, k.shape, v.shape, mask.shape, grouped)
+        q, k, v = (x if shape == x.shape else x.expand(shape) for x, shape in zip((q, k, v), shapes))
 
     def call(q, k, v):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=a["causal"], scale=a["scale"],
@@ -244,6 +243,15 @@ def _sdpa(t, a):
     if grouped and mask is not None and not a["causal"] and q.dim() == 4:
         return grouped_queries(q, k, v, query_group_mask(mask, q.shape[-3] // k.shape[-3], q.shape[-2]), a["scale"])
     return on_cuda(call, q, k, v)
+
+
+@functools.lru_cache(maxsize=1024)
+def _attention_shapes(q, k, v, mask, grouped: bool) -> tuple:
+    """q's, k's and v's shapes broadcast to the mask's batch (per shape: a model's layers share one)."""
+    batch = torch.broadcast_shapes(q[:-2], k[:-3] + q[-3:-2] if grouped else k[:-2],
+                                   v[:-3] + q[-3:-2] if grouped else v[:-2], mask[:-2])
+    kv_batch = batch[:-1] + k[-3:-2] if grouped else batch
+    return (*batch, *q[-2:]), (*kv_batch, *k[-2:]), (*kv_batch, *v[-2:])
 
 
 def on_cuda(call, q, k, v):

@@ -10,19 +10,15 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass, field
-from functools import partial
 
 import torch
 from torch.utils import _pytree as pytree
 
-from . import ops
-from .errors import CodegenError, InputError
-from .graph import WEAK, Graph, Literal, Node, view_source
+from .errors import InputError
+from .graph import Graph, Literal, Node, view_source
 from .graphs import GraphedRunner, recorder_for
 from .plan import Plan, release_schedule, verify_plan
-
-def torch_dtype(dtype: str) -> torch.dtype:
-    return torch.float32 if dtype == WEAK else getattr(torch, dtype)
+from .steps import TorchSteps, empty, torch_dtype
 
 
 class Executable:
@@ -48,11 +44,9 @@ class Executable:
         nodes = {name: node for node in _all_nodes(plan) for name in [buffer_names.get(id(node))] if name}
         release = release_schedule(plan)
         verify_plan(plan, release)
+        self.steps = TorchSteps(target.device)  # library calls, fallbacks and views (steps.py)
         self.wrapper = _straight_line(self, {lk.name: lk for lk in loops}, nodes, release)
-        self._memo: dict = {}  # values one run of the wrapper shares between its steps
         self._run = self._runner(self.wrapper.names)
-        self._scalars: dict[tuple[int, int], torch.Tensor] = {}  # made once: no host copy per call
-        self._views: dict[int, tuple] = {}  # a chain of views: its base's layout -> the view's (see _view)
         bound = self.graph.bound
         self._specs = [(n, id(n), n.shape, torch_dtype(n.dtype)) for n in self.graph.inputs  # per user input
                        if n.attr("name") not in bound]
@@ -118,8 +112,10 @@ class Executable:
         """The wrapper over these step callables, each run starting a fresh memo."""
         wrapper = _exec_wrapper(self.wrapper.source, names)
 
+        steps = self.steps
+
         def run(env):
-            self._memo = {}
+            steps.memo = {}
             return wrapper(env)
         return run
 
@@ -129,13 +125,13 @@ class Executable:
         index buffers as contiguous); torch's own ops take any strides (sdpa's
         output, in the layout the next matmul reads, is not copied twice)."""
         ids = [id(i) for i in kernel.inputs]
-        node = kernel.output
+        call = self.steps.step(kernel.output)
 
         def run(*tensors):
-            return self._run_torch(node, dict(zip(ids, tensors))).contiguous()
+            return call(dict(zip(ids, tensors))).contiguous()
 
         def run_strided(*tensors):
-            return self._run_torch(node, dict(zip(ids, tensors)))
+            return call(dict(zip(ids, tensors)))
         return run if contiguous else run_strided
 
     def _structure(self, results):
@@ -187,65 +183,7 @@ class Executable:
         return value.contiguous()
 
     def _tensor(self, node: Node, env) -> torch.Tensor:
-        if id(node) in env:
-            return env[id(node)]
-        if node.op == "const":
-            key = (id(node), 0)
-            if key not in self._scalars:
-                self._scalars[key] = torch.tensor(node.attr("value"), dtype=torch.float32, device=self.target.device)
-            return self._scalars[key]
-        if node.op == "inline":  # a fused producer, in a kernel that runs through torch
-            return self._run_torch(node.args[0], env)
-        if node.group == "layout":
-            return self._view(node, env)
-        raise CodegenError(f"{node.op} is read before it is computed")
-
-    def _view(self, node: Node, env) -> torch.Tensor:
-        """A chain of views (reshape, transpose, expand, ...) of a computed tensor, as torch takes it
-        the first time; later calls take the same view in one `as_strided` while the base has the
-        layout seen then (a library call's input behind three to five views cost as many torch calls
-        per call).  A chain that copied (a reshape of a layout it cannot view) is taken again."""
-        base = node
-        while base.group == "layout" and id(base) not in env:
-            base = base.args[0]
-        source = env.get(id(base))  # (None: a constant's views, taken as torch takes them)
-        layout = source is not None and (source.shape, source.stride(), source.storage_offset())
-        seen = self._views.get(id(node))
-        if seen is not None and seen[0] == layout and seen[1]:
-            return source.as_strided(*seen[1])
-        value = ops.get(node.op).reference([self._tensor(node.args[0], env)], node.a)
-        if source is not None and (seen is None or seen[0] != layout):
-            viewed = value.untyped_storage().data_ptr() == source.untyped_storage().data_ptr()
-            self._views[id(node)] = (layout, (value.shape, value.stride(), value.storage_offset()) if viewed else None)
-        return value
-
-    def _run_torch(self, node: Node, env) -> torch.Tensor:
-        args = [self._scalar(a, node) if a.op == "const" else self._tensor(a, env) for a in node.args]
-        if node.op == "linear" and node.args[2].op == "const" and node.args[2].attr("value") == 0:
-            args[2] = None  # no bias: a scalar 0 bias would cost the library an extra kernel to broadcast it
-        if node.op == "sdpa_mask" and self.target.device == "cuda":  # each layer's sdpa reads one mask:
-            key = ("mask", id(node.args[3]), node.args[0].dtype, args[1].shape[-2])  # converted once per run
-            if key not in self._memo:
-                self._memo[key] = ops.fused_kernel_mask(args[3], args[1].shape[-2], args[0].dtype)
-            args[3] = self._memo[key]
-            q, k, v, mask = args
-            if (ops.gqa(q.shape, k.shape, v.shape) and q.dim() == 4 and not node.attr("causal")
-                    and mask.dim() <= 4 and (mask.dim() < 4 or mask.shape[0] in (1, q.shape[0]))):
-                groups = q.shape[-3] // k.shape[-3]  # grouped-query attention: the grouped mask, also once
-                key = key + (groups, q.shape[-2])
-                if key not in self._memo:
-                    self._memo[key] = ops.query_group_mask(mask, groups, q.shape[-2])
-                return ops.grouped_queries(q, k, v, self._memo[key], node.attr("scale"))
-        if node.op == "extern":
-            return node.attr("target").run(args)
-        out = ops.get(node.op).reference(args, node.a)
-        return out.to(torch_dtype(node.dtype)) if node.dtype != WEAK else out
-
-    def _scalar(self, const: Node, consumer: Node) -> torch.Tensor:
-        key = (id(const), id(consumer))
-        if key not in self._scalars:
-            self._scalars[key] = scalar_tensor(const, consumer, self.target.device)
-        return self._scalars[key]
+        return self.steps.tensor(node, env)
 
     def _constant(self, node: Node) -> bool:
         """A view of one of the program's own constants (a folded value), not the caller's tensor."""
@@ -320,8 +258,7 @@ def _straight_line(executable: Executable, loops_by_name: dict, nodes: dict, rel
                     node = nodes[p.name]
                     outs.append(p.name)
                     local[id(node)] = p.name
-                    names[f"_empty_{p.name}"] = partial(torch.empty, node.shape, dtype=torch_dtype(node.dtype),
-                                                        device=target.device)
+                    names[f"_empty_{p.name}"] = empty(node.shape, torch_dtype(node.dtype), target.device)
                     lines.append(f"    {p.name} = _empty_{p.name}()")
             names[f"_{kernel.name}"] = executable._calls[kernel.name]
             lines.append(f"    _{kernel.name}({', '.join(ins + outs)})  # {kernel.output.op}")
@@ -350,17 +287,3 @@ def _all_nodes(plan: Plan):
         yield node
     for kernel in plan.kernels:
         yield from kernel.outputs
-
-
-def scalar_tensor(const: Node, consumer: Node, device: str = "cpu") -> torch.Tensor:
-    """A scalar operand as torch would type the Python number: in the dtype of
-    an arithmetic result (capture gives arithmetic operands that dtype), and
-    promoted with the other operand for a comparison."""
-    value = const.attr("value")
-    number = int(value) if value.is_integer() else value
-    strong = [a.dtype for a in consumer.args if a.op != "const" and a.dtype != WEAK]
-    if consumer.dtype == "bool" and strong:  # a comparison
-        dtype = torch.result_type(torch.empty((), dtype=torch_dtype(strong[-1])), number)
-    else:
-        dtype = torch_dtype(consumer.dtype if consumer.dtype != "bool" else "float32")
-    return torch.tensor(number, dtype=dtype, device=device)

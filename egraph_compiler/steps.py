@@ -1,0 +1,190 @@
+"""A plan's torch steps (library calls, ATen fallbacks, and the views in front of
+them) as callables made once per node, not interpreted per call.
+
+Without CUDA graphs a real model's forward is bound by the host (BENCHMARKS.md:
+on the H200 box one torch op costs 10-16 us of Python and dispatch), so what
+can be decided once is: which tensors a step reads and how (a constant operand
+is a tensor made on the first call; a fused producer is its own callable), which
+torch function runs it (a linear without bias passes no bias), and a chain of
+views, taken with one `reinterpret_tensor` (Inductor's own fast view) once the
+first call has seen what it gives for its base's layout.  A chain that copied
+(a reshape of a layout torch cannot view) is taken again each call, and a base
+of another layout than the one seen is never read through the old strides.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import ops
+from .errors import CodegenError
+from .graph import WEAK, Node
+
+_GUARDS = getattr(torch._C, "_dynamo", None) and getattr(torch._C._dynamo, "guards", None)
+_REINTERPRET = getattr(_GUARDS, "_reinterpret_tensor", None)
+
+
+def reinterpret(base: torch.Tensor, size, stride, offset: int) -> torch.Tensor:
+    """`base` viewed with these sizes and strides, `offset` elements past its own start."""
+    if _REINTERPRET is not None:
+        return _REINTERPRET(base, size, stride, offset)
+    return base.as_strided(size, stride, base.storage_offset() + offset)
+
+
+def empty(shape, dtype: torch.dtype, device: str):
+    """A function making a contiguous buffer of this shape (Inductor's `empty_strided_*` where
+    torch has it: a third of `torch.empty`'s host time)."""
+    stride, step = [], 1
+    for size in reversed(shape):
+        stride.insert(0, step)
+        step *= max(size, 1)
+    fast = getattr(_GUARDS, f"_empty_strided_{device}", None)
+    shape, stride = tuple(shape), tuple(stride)
+    if fast is not None:
+        return lambda: fast(shape, stride, dtype)
+    return lambda: torch.empty_strided(shape, stride, dtype=dtype, device=device)
+
+
+def torch_dtype(dtype: str) -> torch.dtype:
+    return torch.float32 if dtype == WEAK else getattr(torch, dtype)
+
+
+class TorchSteps:
+    """The callables, per node, that read a value out of a run's environment (id(node) -> tensor)."""
+
+    def __init__(self, device: str):
+        self.device = device
+        self.memo: dict = {}  # values one run shares between its steps (the runtime resets it per run)
+        self.views: dict[int, dict] = {}  # a view's node -> {its base's layout: (size, stride, offset) | None}
+        self._getters: dict[int, object] = {}
+        self._scalars: dict[tuple[int, int], torch.Tensor] = {}
+
+    def tensor(self, node: Node, env) -> torch.Tensor:
+        value = env.get(id(node))
+        return value if value is not None else self.getter(node)(env)
+
+    def getter(self, node: Node):
+        got = self._getters.get(id(node))
+        if got is None:
+            got = self._getters[id(node)] = self._make_getter(node)
+        return got
+
+    def step(self, node: Node):
+        """The callable computing `node` (a library op, an ATen fallback) from an environment."""
+        return self._make_call(node)
+
+    def _make_getter(self, node: Node):
+        key = id(node)
+        if node.op == "const":
+            made = []
+
+            def constant(env):  # (made on the first call, never while a CUDA graph records)
+                if not made:
+                    made.append(torch.tensor(node.attr("value"), dtype=torch.float32, device=self.device))
+                return made[0]
+            return constant
+        if node.op == "inline":  # a fused producer, in a kernel that runs through torch
+            return self._make_call(node.args[0])
+        if node.group == "layout":
+            return self._make_view(node)
+
+        def missing(env):
+            if key in env:
+                return env[key]
+            raise CodegenError(f"{node.op} is read before it is computed")
+        return missing
+
+    def _make_view(self, node: Node):
+        chain = [node]  # the view, then the views under it, down to the first that is not one
+        while chain[-1].group == "layout":
+            chain.append(chain[-1].args[0])
+        keys = [id(n) for n in chain]
+        seen = self.views.setdefault(id(node), {})
+        outer = self.getter(node.args[0])
+        reference, attrs = ops.get(node.op).reference, node.a
+
+        def view(env):
+            for depth, key in enumerate(keys):  # the nearest computed tensor the chain reads
+                source = env.get(key)
+                if source is not None:
+                    break
+            else:  # (a constant's views, taken as torch takes them)
+                return reference([outer(env)], attrs)
+            if depth == 0:
+                return source
+            layout = (depth, source.shape, source.stride(), source.storage_offset())
+            taken = seen.get(layout)
+            if taken:
+                return reinterpret(source, *taken)
+            value = reference([outer(env)], attrs)
+            if taken is None:  # the first time with this layout: keep it if it is a view
+                viewed = value.untyped_storage().data_ptr() == source.untyped_storage().data_ptr()
+                seen[layout] = (value.shape, value.stride(),
+                                value.storage_offset() - source.storage_offset()) if viewed else False
+            return value
+        return view
+
+    def _make_call(self, node: Node):
+        reads = []
+        for a in node.args:
+            if a.op == "const":
+                reads.append(self._scalar_getter(a, node))
+            else:
+                reads.append(self.getter(a))
+        fn = self._function(node)
+        dtype = torch_dtype(node.dtype) if node.dtype != WEAK else None
+
+        def call(env):
+            out = fn([read(env) for read in reads])
+            return out if dtype is None or out.dtype == dtype else out.to(dtype)
+        return call
+
+    def _scalar_getter(self, const: Node, consumer: Node):
+        key = (id(const), id(consumer))
+
+        def scalar(env):
+            value = self._scalars.get(key)
+            if value is None:
+                value = self._scalars[key] = scalar_tensor(const, consumer, self.device)
+            return value
+        return scalar
+
+    def _function(self, node: Node):
+        """The torch function a node runs, on its argument list."""
+        if node.op == "extern":
+            return node.attr("target").run
+        if node.op == "linear" and node.args[2].op == "const" and node.args[2].attr("value") == 0:
+            linear = torch.nn.functional.linear  # no bias: a scalar 0 bias would cost an extra kernel
+            return lambda args: linear(args[0], args[1])
+        reference, attrs = ops.get(node.op).reference, node.a
+        if node.op == "sdpa_mask" and self.device == "cuda":
+            return lambda args: self._masked_attention(node, args, reference)
+        return lambda args: reference(args, attrs)
+
+    def _masked_attention(self, node: Node, args, reference):
+        key = ("mask", id(node.args[3]), node.args[0].dtype, args[1].shape[-2])  # each layer's sdpa reads
+        if key not in self.memo:  # one mask: converted once per run
+            self.memo[key] = ops.fused_kernel_mask(args[3], args[1].shape[-2], args[0].dtype)
+        args[3] = mask = self.memo[key]
+        q, k, v = args[:3]
+        if (ops.gqa(q.shape, k.shape, v.shape) and q.dim() == 4 and not node.attr("causal")
+                and mask.dim() <= 4 and (mask.dim() < 4 or mask.shape[0] in (1, q.shape[0]))):
+            groups = q.shape[-3] // k.shape[-3]  # grouped-query attention: the grouped mask, also once
+            key = key + (groups, q.shape[-2])
+            if key not in self.memo:
+                self.memo[key] = ops.query_group_mask(mask, groups, q.shape[-2])
+            return ops.grouped_queries(q, k, v, self.memo[key], node.attr("scale"))
+        return reference(args, node.a)
+
+
+def scalar_tensor(const: Node, consumer: Node, device: str = "cpu") -> torch.Tensor:
+    """A scalar operand as torch would type the Python number: in the dtype of
+    an arithmetic result (capture gives arithmetic operands that dtype), and
+    promoted with the other operand for a comparison."""
+    value = const.attr("value")
+    number = int(value) if value.is_integer() else value
+    strong = [a.dtype for a in consumer.args if a.op != "const" and a.dtype != WEAK]
+    if consumer.dtype == "bool" and strong:  # a comparison
+        dtype = torch.result_type(torch.empty((), dtype=torch_dtype(strong[-1])), number)
+    else:
+        dtype = torch_dtype(consumer.dtype if consumer.dtype != "bool" else "float32")
+    return torch.tensor(number, dtype=dtype, device=device)
