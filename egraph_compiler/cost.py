@@ -109,6 +109,21 @@ def extra_passes(op: str, in_shapes) -> int:
     return 2 if op == "linear" and len(in_shapes) > 2 and len(in_shapes[2]) >= 1 else 0
 
 
+# ops whose value a consumer's kernel computes per element where it reads it (a reduction or a
+# row op inside a kernel is computed once per row, however often its value is read)
+ELEMENTWISE = frozenset({"pointwise", "layout", "concat", "gather", "source"})
+
+
+def repeats(group: str, out_elements: float, operand_elements: float) -> float:
+    """How often an elementwise operand computed inside its consumer is evaluated, per element of
+    its own: once per element of the consumer's output where that broadcasts it (LLaMA's
+    `q * cos`, with cos [B, S, D] read by every head of q: computed once per head).  A reduction or
+    row consumer reads each element of its operand once."""
+    if group not in ELEMENTWISE or operand_elements <= 0:
+        return 1.0
+    return max(1.0, out_elements / operand_elements)
+
+
 # of an op's FLOPs per element (the op table's), those spent in transcendental calls, by kind:
 # generated code runs them slower than its arithmetic, by the profile's measured factors
 TRANSCENDENTAL = {"exp": ("exp", 4), "log": ("exp", 4), "sigmoid": ("exp", 4), "silu": ("exp", 4),

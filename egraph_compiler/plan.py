@@ -17,7 +17,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from . import ops
-from .cost import DeviceProfile, extra_passes, itemsize, kernel_cost, op_flops
+from .cost import ELEMENTWISE, DeviceProfile, extra_passes, itemsize, kernel_cost, op_flops, repeats
 from .errors import CodegenError
 from .graph import Graph, Node, rebuild, topo_order, type_str, view_source
 from .lower import illegal_edges, oversized_edges
@@ -92,6 +92,7 @@ def make_plan(graph: Graph, profile: DeviceProfile, target, alias_inputs: bool =
     judge each edge alone, so a kernel can hold reductions that no single
     loop nest computes (rows feeding a reduction over columns): the index-map
     check of lowering names those inline edges, which become materialised."""
+    graph = _viewed_producers(graph)
     while True:
         plan = _kernels(graph, profile, target, alias_inputs)
         # first the size of what the renderers would write (the legality probe walks that too)
@@ -101,6 +102,27 @@ def make_plan(graph: Graph, profile: DeviceProfile, target, alias_inputs: bool =
             from .sharing import share_results  # it builds on this module's kernels
             return share_results(plan, profile)
         graph = rebuild(graph, lambda node, args: args[0] if id(node) in cut else None)  # cut edges materialise
+
+
+def _viewed_producers(graph: Graph) -> Graph:
+    """A generated kernel's operand that extraction chose as a view of a fused producer's
+    materialised value (`mul(q, reshape(inline(cos)))`, priced as cos's own kernel and a
+    load, not as cos computed at each of the consumer's elements) reads that value from
+    memory: the producer gets its kernel.  (A library call's such operand is a generated
+    kernel of its own already: kernel_body.)"""
+    def rebase(view: Node) -> Node:
+        source = view.args[0]
+        base = source.args[0] if source.op == "inline" else rebase(source)
+        return Node.make(view.op, (base, *view.args[1:]), view.a)
+
+    def substitute(node: Node, args) -> Node | None:
+        if node.group in ops.CALLS or node.group in ("layout", "source") or node.op == "inline":
+            return None
+        viewed = [a.group == "layout" and view_source(a).op == "inline" for a in args]
+        if not any(viewed):
+            return None
+        return Node.make(node.op, tuple(rebase(a) if v else a for a, v in zip(args, viewed)), node.a)
+    return rebuild(graph, substitute)
 
 
 def _kernels(graph: Graph, profile: DeviceProfile, target, alias_inputs: bool = False) -> Plan:
@@ -235,11 +257,27 @@ def estimate(kernel: Kernel, profile: DeviceProfile) -> None:
     node = kernel.output
     kernel.bytes = sum(n.numel * itemsize(n.dtype) for n in kernel.outputs) + sum(
         math.prod(i.shape) * itemsize(i.dtype) for i in kernel.inputs)
-    kernel.flops = sum(op_flops(n.op, n.shape, [a.shape for a in n.args], profile) for n in kernel.ops
-                       if n.group not in ("layout", "extern", "boundary", "source"))
+    times = evaluations(kernel)
+    kernel.flops = sum(op_flops(n.op, n.shape, [a.shape for a in n.args], profile) * times.get(id(n), 1.0)
+                       for n in kernel.ops if n.group not in ("layout", "extern", "boundary", "source"))
     extra = extra_passes(node.op, [a.shape for a in node.args]) * node.numel * itemsize(node.dtype)
     kernel.seconds = kernel_cost(kernel.flops, kernel.bytes, profile, library=kernel.kind == "library",
                                  link=node.group == "collective", serial_bytes=extra, op=node.op)
+
+
+def evaluations(kernel: Kernel) -> dict[int, float]:
+    """Per elementwise node computed inside the kernel, how often the kernel evaluates it per
+    element of its own (cost.repeats, compounded along the consumers inside the kernel)."""
+    inside = {id(n) for n in kernel.ops}
+    times: dict[int, float] = {}
+    for node in reversed(kernel.ops):  # (consumers after their operands)
+        mine = times.get(id(node), 1.0) if node.group in ELEMENTWISE else 1.0
+        for a in node.args:
+            while id(a) not in inside and (a.group == "layout" or a.op == "inline"):
+                a = a.args[0]  # (through views and the inline edge, to the value computed here)
+            if id(a) in inside and a.group in ELEMENTWISE:
+                times[id(a)] = max(times.get(id(a), 1.0), mine * repeats(node.group, node.numel, a.numel))
+    return times
 
 
 class PlanError(CodegenError):

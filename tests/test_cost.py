@@ -109,3 +109,11 @@ def test_library_calls_pay_their_fitted_fixed_cost(monkeypatch):
         ops_of[profile] = [kernel.output.op for kernel in compiled.plan.kernels]
     assert ops_of["cpu-cheap-attention"] == ["sdpa"]
     assert "sdpa" not in ops_of["cpu-dear-attention"] and ops_of["cpu-dear-attention"].count("matmul") == 2
+
+
+def test_an_elementwise_producer_is_charged_once_per_element_of_the_consumer_that_broadcasts_it():
+    from egraph_compiler.cost import repeats
+    assert repeats("pointwise", 16 * 8192, 8192) == 16  # cos [S, D] read by 16 heads of q
+    assert repeats("layout", 16 * 8192, 8192) == 16  # an expand
+    assert repeats("pointwise", 8192, 8192) == 1
+    assert repeats("reduction", 1, 8192) == 1 and repeats("row", 8192, 8192) == 1  # read once per element

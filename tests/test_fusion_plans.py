@@ -111,3 +111,24 @@ def test_a_kernel_that_reads_its_sibling_is_not_fused_with_it():
                        < compiled.plan.kernels.index(leader) for i in kernel.inputs)
     for got, want in zip(compiled(x), dependent(x)):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def _rotary(q, positions, inv_freq):  # LLaMA's rotary embedding, as transformers writes it
+    freqs = positions[:, :, None] * inv_freq
+    emb = torch.cat([freqs, freqs], -1)
+    cos, sin = emb.cos().unsqueeze(1), emb.sin().unsqueeze(1)
+    half = q.shape[-1] // 2
+    return q * cos + torch.cat([-q[..., half:], q[..., :half]], -1) * sin
+
+
+def test_a_value_every_head_reads_is_computed_once_not_per_head():
+    """cos and sin of [1, S, D] positions, read by each of q's [B, H] heads: fused into q's kernel
+    they were computed B * H times over (16 here), which the cost model did not charge (llama_gqa's
+    rotary kernels ran 10x their estimate, the gap to Inductor on that model); now charged
+    (cost.repeats), they get a kernel of their own, and the estimate of a kernel counts them."""
+    q, positions, inv_freq = torch.randn(4, 4, 128, 64), torch.arange(128.0).reshape(1, 128), torch.rand(32)
+    compiled = egc.compile(_rotary, [q, positions, inv_freq])
+    torch.testing.assert_close(compiled(q, positions, inv_freq), _rotary(q, positions, inv_freq))
+    per_head = [k for k in compiled.plan.kernels if k.output.numel == q.numel()]
+    assert per_head and not any({"cos", "sin"} & set(kernel_ops(k)) for k in per_head), str(compiled.plan)
+    assert any("cos" in kernel_ops(k) and k.output.numel == 128 * 64 for k in compiled.plan.kernels)

@@ -23,7 +23,8 @@ import sys
 from dataclasses import dataclass, field, replace
 
 from .. import ops
-from ..cost import VIEW_COST, DeviceProfile, extra_passes, inlined_cost, itemsize, kernel_cost, op_flops
+from ..cost import (ELEMENTWISE, VIEW_COST, DeviceProfile, extra_passes, inlined_cost, itemsize, kernel_cost,
+                    op_flops, repeats)
 from ..errors import CodegenError, UnsoundRuleError
 from ..graph import WEAK, Graph, Node
 from .extract import EClassGraph, ENode
@@ -39,6 +40,7 @@ class Option:
     flops: float = 0.0
     loads: float = 0.0
     body: frozenset = field(default_factory=frozenset)  # classes computed inline (a cycle guard)
+    elementwise: float = 0.0  # of `flops`, those a broadcasting consumer repeats (cost.repeats)
 
 
 class KernelExtractor:
@@ -95,6 +97,8 @@ class KernelExtractor:
         flops = 0.0
         if group not in ("source", "layout", "boundary", "extern"):
             flops = op_flops(en.op, self._shape_of(en), [self.eg.shape[c] for c in en.children], self.profile)
+        elementwise = flops if group in ELEMENTWISE else 0.0
+        elements = math.prod(self._shape_of(en))
         loads, needed, inlined = 0.0, {}, frozenset()
         for position, child in enumerate(en.children):
             if child in self.inline_of:
@@ -103,7 +107,9 @@ class KernelExtractor:
                 option = self.inl.get(self.inline_of[child])
                 if option is None:
                     return None
-                flops, loads = flops + option.flops, loads + option.loads
+                times = repeats(group, elements, math.prod(self.eg.shape[self.inline_of[child]]))
+                flops, loads = flops + option.flops + option.elementwise * (times - 1), loads + option.loads
+                elementwise += option.elementwise * times if group in ELEMENTWISE else 0.0
                 needed = {**needed, **option.needed}
                 inlined |= option.body
             else:
@@ -113,14 +119,14 @@ class KernelExtractor:
                 needed = {**needed, **option.needed}
                 if option.node.op != "const":
                     loads += self.bytes(child)
-        return flops, loads, needed, inlined
+        return flops, loads, needed, inlined, elementwise
 
     def _shape_of(self, en: ENode):
         return self.eg.shape[self.class_of[id(en)]]
 
     def _offer_inline(self, class_id, en, body) -> bool:
         group = ops.group_of(en.op)
-        flops, loads, needed, inlined = body
+        flops, loads, needed, inlined, elementwise = body
         if group not in INLINE_GROUPS or class_id in inlined or en.op == "extern":
             return False
         if en.op == "input":
@@ -129,12 +135,12 @@ class KernelExtractor:
         old = self.inl.get(class_id)
         if old is not None and total >= old.total - 1e-15:
             return False
-        self.inl[class_id] = Option(total, en, needed, flops, loads, inlined | {class_id})
+        self.inl[class_id] = Option(total, en, needed, flops, loads, inlined | {class_id}, elementwise)
         return True
 
     def _offer_materialised(self, class_id, en, body) -> bool:
         group = ops.group_of(en.op)
-        flops, loads, needed, inlined = body
+        flops, loads, needed, inlined, _ = body
         if class_id in needed or class_id in inlined:
             return False  # a cycle through this class
         has_inline = any(c in self.inline_of for c in en.children)
