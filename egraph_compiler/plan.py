@@ -92,7 +92,7 @@ def make_plan(graph: Graph, profile: DeviceProfile, target, alias_inputs: bool =
     judge each edge alone, so a kernel can hold reductions that no single
     loop nest computes (rows feeding a reduction over columns): the index-map
     check of lowering names those inline edges, which become materialised."""
-    graph = _viewed_producers(graph)
+    graph = _viewed_producers(graph, profile)
     while True:
         plan = _kernels(graph, profile, target, alias_inputs)
         # first the size of what the renderers would write (the legality probe walks that too)
@@ -104,21 +104,34 @@ def make_plan(graph: Graph, profile: DeviceProfile, target, alias_inputs: bool =
         graph = rebuild(graph, lambda node, args: args[0] if id(node) in cut else None)  # cut edges materialise
 
 
-def _viewed_producers(graph: Graph) -> Graph:
+def _viewed_producers(graph: Graph, profile: DeviceProfile) -> Graph:
     """A generated kernel's operand that extraction chose as a view of a fused producer's
-    materialised value (`mul(q, reshape(inline(cos)))`, priced as cos's own kernel and a
-    load, not as cos computed at each of the consumer's elements) reads that value from
-    memory: the producer gets its kernel.  (A library call's such operand is a generated
-    kernel of its own already: kernel_body.)"""
+    materialised value (`mul(q, reshape(inline(cos)))`) is computed inside the consumer, at
+    each of its elements, unless the consumer broadcasts it so often that a kernel of its own
+    and a load cost less (cost.repeats: cos and sin of [1, S, D] positions read by every head
+    of q).  A library call's such operand is a generated kernel of its own already (kernel_body)."""
     def rebase(view: Node) -> Node:
         source = view.args[0]
         base = source.args[0] if source.op == "inline" else rebase(source)
         return Node.make(view.op, (base, *view.args[1:]), view.a)
 
+    def worth(view: Node, consumer: Node) -> bool:
+        producer = view_source(view).args[0]
+        times = repeats(consumer.group, consumer.numel, producer.numel)
+        if times <= 1:
+            return False
+        body, inputs = kernel_body(producer)
+        flops = sum(op_flops(n.op, n.shape, [a.shape for a in n.args], profile) for n in body
+                    if n.group in ELEMENTWISE)
+        stored = producer.numel * itemsize(producer.dtype)
+        read = sum(i.numel * itemsize(i.dtype) for i in inputs)
+        return flops * (times - 1) / profile.flops > kernel_cost(flops, read + stored, profile) \
+            + stored / profile.bandwidth
+
     def substitute(node: Node, args) -> Node | None:
         if node.group in ops.CALLS or node.group in ("layout", "source") or node.op == "inline":
             return None
-        viewed = [a.group == "layout" and view_source(a).op == "inline" for a in args]
+        viewed = [a.group == "layout" and view_source(a).op == "inline" and worth(a, node) for a in args]
         if not any(viewed):
             return None
         return Node.make(node.op, tuple(rebase(a) if v else a for a, v in zip(args, viewed)), node.a)
