@@ -308,6 +308,29 @@ def test_grouped_queries_match_torch_grouped_query_attention(mask_shape):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+def test_the_cuda_step_of_a_masked_grouped_attention_matches_eager():
+    """The runtime's CUDA branch for sdpa with a mask (steps.TorchSteps: the mask made additive once
+    per run, grouped-query attention with each K/V head's query group on the query axis), run on
+    CPU tensors: CI has no GPU, and this branch runs only there."""
+    from egraph_compiler.steps import TorchSteps
+
+    def fn(q, k, v, mask):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3, enable_gqa=True)
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, 6, 8), torch.randn(2, 2, 6, 8), torch.randn(2, 2, 6, 8)
+    mask = torch.rand(2, 1, 6, 6) > 0.3
+    mask[..., 0] = True  # (no row fully masked)
+    compiled = egraph_compiler.compile(fn, [q, k, v, mask])
+    node = next(k.output for k in compiled.plan.kernels if k.output.op == "sdpa_mask")
+    steps = TorchSteps("cuda")
+    env = {id(n): t for n, t in zip(compiled.plan.graph.inputs, (q, k, v, mask))}
+    call = steps.step(node)
+    for _ in range(2):
+        steps.memo = {}
+        torch.testing.assert_close(call(env), fn(q, k, v, mask), atol=1e-5, rtol=1e-5)
+    assert len(steps.memo) == 2  # the additive mask and its grouped form, each made once per run
+
+
 TRANSPOSING = {  # a pointwise kernel that reads across rows: C++ runs it in tiles (codegen/cpp._tiled)
     "gelu_of_a_transpose": (lambda x: F.gelu(x, approximate="tanh").t() * 1.0, (1024, 96), torch.float32),
     "ragged_tiles": (lambda x: x.t().exp() - 1.0, (70, 45), torch.float32),
