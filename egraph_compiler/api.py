@@ -203,8 +203,7 @@ def dynamo_backend(gm, example_inputs, **kwargs):
             program = per_size.compiled  # the program's own input check stands behind them): no key per call
 
             def run_static(*args):
-                out = program(*args)
-                return out if isinstance(out, tuple) else (out,)
+                return _as_tuple(program(*args))
             run_static.compiled = program
             return run_static
 
@@ -246,5 +245,9 @@ class _PerSize:
         entry = self.programs.pop(key, None)
         compiled, slots = entry if entry is not None else self.compile(list(args))
         self.programs[key] = (compiled, slots)  # most recently used last
-        out = compiled(*(args[i] for i in slots))
-        return out if isinstance(out, tuple) else (out,)
+        return _as_tuple(compiled(*(args[i] for i in slots)))
+
+
+def _as_tuple(out) -> tuple:
+    """A compiled graph's results as Dynamo takes them."""
+    return out if isinstance(out, tuple) else (out,)

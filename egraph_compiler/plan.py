@@ -120,13 +120,11 @@ def _viewed_producers(graph: Graph, profile: DeviceProfile) -> Graph:
         times = repeats(consumer.group, consumer.numel, producer.numel)
         if times <= 1:
             return False
-        body, inputs = kernel_body(producer)
-        flops = sum(op_flops(n.op, n.shape, [a.shape for a in n.args], profile) for n in body
-                    if n.group in ELEMENTWISE)
-        stored = producer.numel * itemsize(producer.dtype)
-        read = sum(i.numel * itemsize(i.dtype) for i in inputs)
-        return flops * (times - 1) / profile.flops > kernel_cost(flops, read + stored, profile) \
-            + stored / profile.bandwidth
+        own = Kernel("", "generated", producer, *kernel_body(producer))
+        estimate(own, profile)
+        repeated = sum(op_flops(n.op, n.shape, [a.shape for a in n.args], profile) for n in own.ops
+                       if n.group in ELEMENTWISE) * (times - 1)
+        return repeated / profile.flops > own.seconds + producer.numel * itemsize(producer.dtype) / profile.bandwidth
 
     def substitute(node: Node, args) -> Node | None:
         if node.group in ops.CALLS or node.group in ("layout", "source") or node.op == "inline":

@@ -12,14 +12,14 @@ kernels store the sum the same way).  Applied where it moves fewer bytes.
 """
 from __future__ import annotations
 
-from .cost import DeviceProfile, itemsize
+from .cost import ELEMENTWISE, DeviceProfile, itemsize
 from .graph import Node, topo_order
 from .plan import Kernel, Plan, estimate, kernel_body
 
 # what a stored value's kernel may compute on the way to it: per-element arithmetic on
 # the first kernel's own loop domain (no reduction or row composite that it would need
 # to evaluate at other indices)
-ELEMENTWISE = frozenset({"pointwise", "layout", "source", "concat", "boundary", "gather"})
+ON_THE_WAY = ELEMENTWISE | {"boundary"}
 
 
 def share_results(plan: Plan, profile: DeviceProfile) -> Plan:
@@ -57,7 +57,7 @@ def _storable(kernel: Kernel, value: Node) -> bool:
     if root.group == "reduction" or root.numel != value.numel:
         return False
     body, _ = kernel_body(value, kernel.stored)
-    return all(n.group in ELEMENTWISE for n in body)
+    return all(n.group in ON_THE_WAY for n in body)
 
 
 def _bytes(nodes) -> int:

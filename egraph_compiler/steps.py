@@ -14,6 +14,7 @@ of another layout than the one seen is never read through the old strides.
 from __future__ import annotations
 
 import torch
+from torch._prims_common import make_contiguous_strides_for
 
 from . import ops
 from .errors import CodegenError
@@ -33,12 +34,8 @@ def reinterpret(base: torch.Tensor, size, stride, offset: int) -> torch.Tensor:
 def empty(shape, dtype: torch.dtype, device: str):
     """A function making a contiguous buffer of this shape (Inductor's `empty_strided_*` where
     torch has it: a third of `torch.empty`'s host time)."""
-    stride, step = [], 1
-    for size in reversed(shape):
-        stride.insert(0, step)
-        step *= max(size, 1)
+    shape, stride = tuple(shape), tuple(make_contiguous_strides_for(shape))
     fast = getattr(_GUARDS, f"_empty_strided_{device}", None)
-    shape, stride = tuple(shape), tuple(stride)
     if fast is not None:
         return lambda: fast(shape, stride, dtype)
     return lambda: torch.empty_strided(shape, stride, dtype=dtype, device=device)
@@ -56,7 +53,6 @@ class TorchSteps:
         self.memo: dict = {}  # values one run shares between its steps (the runtime resets it per run)
         self.views: dict[int, dict] = {}  # a view's node -> {its base's layout: (size, stride, offset) | None}
         self._getters: dict[int, object] = {}
-        self._scalars: dict[tuple[int, int], torch.Tensor] = {}
 
     def tensor(self, node: Node, env) -> torch.Tensor:
         value = env.get(id(node))
@@ -68,22 +64,12 @@ class TorchSteps:
             got = self._getters[id(node)] = self._make_getter(node)
         return got
 
-    def step(self, node: Node):
-        """The callable computing `node` (a library op, an ATen fallback) from an environment."""
-        return self._make_call(node)
-
     def _make_getter(self, node: Node):
         key = id(node)
         if node.op == "const":
-            made = []
-
-            def constant(env):  # (made on the first call, never while a CUDA graph records)
-                if not made:
-                    made.append(torch.tensor(node.attr("value"), dtype=torch.float32, device=self.device))
-                return made[0]
-            return constant
+            return _once(lambda: torch.tensor(node.attr("value"), dtype=torch.float32, device=self.device))
         if node.op == "inline":  # a fused producer, in a kernel that runs through torch
-            return self._make_call(node.args[0])
+            return self.step(node.args[0])
         if node.group == "layout":
             return self._make_view(node)
 
@@ -123,11 +109,12 @@ class TorchSteps:
             return value
         return view
 
-    def _make_call(self, node: Node):
+    def step(self, node: Node):
+        """The callable computing `node` (a library op, an ATen fallback) from an environment."""
         reads = []
         for a in node.args:
             if a.op == "const":
-                reads.append(self._scalar_getter(a, node))
+                reads.append(_once(lambda a=a: scalar_tensor(a, node, self.device)))
             else:
                 reads.append(self.getter(a))
         fn = self._function(node)
@@ -137,16 +124,6 @@ class TorchSteps:
             out = fn([read(env) for read in reads])
             return out if dtype is None or out.dtype == dtype else out.to(dtype)
         return call
-
-    def _scalar_getter(self, const: Node, consumer: Node):
-        key = (id(const), id(consumer))
-
-        def scalar(env):
-            value = self._scalars.get(key)
-            if value is None:
-                value = self._scalars[key] = scalar_tensor(const, consumer, self.device)
-            return value
-        return scalar
 
     def _function(self, node: Node):
         """The torch function a node runs, on its argument list."""
@@ -174,6 +151,17 @@ class TorchSteps:
                 self.memo[key] = ops.query_group_mask(mask, groups, q.shape[-2])
             return ops.grouped_queries(q, k, v, self.memo[key], node.attr("scale"))
         return reference(args, node.a)
+
+
+def _once(make):
+    """A read of a tensor made on the first call (never while a CUDA graph records), then kept."""
+    made = []
+
+    def read(env):
+        if not made:
+            made.append(make())
+        return made[0]
+    return read
 
 
 def scalar_tensor(const: Node, consumer: Node, device: str = "cpu") -> torch.Tensor:

@@ -51,10 +51,11 @@ class KernelExtractor:
         self.class_of = {id(n): c for c, nodes in eg.classes.items() for n in nodes}
         self.mat: dict[str, Option] = {}
         self.inl: dict[str, Option] = {}
+        self.numel = {c: math.prod(shape) for c, shape in eg.shape.items()}  # (read per e-node per sweep)
 
     def bytes(self, class_id: str) -> float:
         dtype = self.eg.dtype[class_id]
-        return math.prod(self.eg.shape[class_id]) * itemsize("float32" if dtype == WEAK else dtype)
+        return self.numel[class_id] * itemsize("float32" if dtype == WEAK else dtype)
 
     def run(self) -> None:
         """Sweeps over the e-nodes in class order until no option improves, as a
@@ -98,7 +99,7 @@ class KernelExtractor:
         if group not in ("source", "layout", "boundary", "extern"):
             flops = op_flops(en.op, self._shape_of(en), [self.eg.shape[c] for c in en.children], self.profile)
         elementwise = flops if group in ELEMENTWISE else 0.0
-        elements = math.prod(self._shape_of(en))
+        elements = self.numel[self.class_of[id(en)]]
         loads, needed, inlined = 0.0, {}, frozenset()
         for position, child in enumerate(en.children):
             if child in self.inline_of:
@@ -107,7 +108,7 @@ class KernelExtractor:
                 option = self.inl.get(self.inline_of[child])
                 if option is None:
                     return None
-                times = repeats(group, elements, math.prod(self.eg.shape[self.inline_of[child]]))
+                times = repeats(group, elements, self.numel[self.inline_of[child]])
                 flops, loads = flops + option.flops + option.elementwise * (times - 1), loads + option.loads
                 elementwise += option.elementwise * times if group in ELEMENTWISE else 0.0
                 needed = {**needed, **option.needed}
