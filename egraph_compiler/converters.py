@@ -305,19 +305,6 @@ def _fill(value, shape, dtype=None, like=None, infer=False, **kwargs):
         shape)}),), {"shape": tuple(int(d) for d in shape)})
 
 
-def _slice_backward(grad, sizes, dim, start, end, step):
-    """The gradient of a slice: the slice's gradient with zeros around it."""
-    d = ops.norm_dim(dim, len(sizes))
-    start, end, step = slice(start, end, step).indices(sizes[d])
-    if step != 1:
-        return None
-    parts = []
-    for length, part in ((start, None), (end - start, grad), (sizes[d] - end, None)):
-        if length > 0:
-            parts.append(part if part is not None else _fill(0.0, [*sizes[:d], length, *sizes[d + 1:]], like=grad))
-    return _cat(parts, d) if parts else grad
-
-
 def _identity(x, *args, **kwargs):
     return x if not kwargs.get("dtype") else None
 
@@ -359,9 +346,6 @@ CONVERTERS = {
     aten.var_mean.dim: lambda x, dim=None, unbiased=True, keepdim=False: _var_mean(x, dim, int(unbiased), keepdim),
     aten.var.dim: lambda x, dim=None, unbiased=True, keepdim=False: (_var_mean(x, dim, int(unbiased), keepdim)
                                                                      or [None])[0],
-    aten.slice_backward.default: _slice_backward,
-    aten.select_backward.default: lambda g, sizes, dim, i: _slice_backward(
-        _unsqueeze(g, dim), sizes, dim, i % sizes[dim], i % sizes[dim] + 1, 1),
     aten.full.default: lambda size, value, **kw: _fill(value, size, infer=True, **kw),
     aten.zeros.default: lambda size, **kw: _fill(0.0, size, **kw),
     aten.ones.default: lambda size, **kw: _fill(1.0, size, **kw),

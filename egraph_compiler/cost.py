@@ -150,6 +150,12 @@ def _table_flops(op: str, out_shape, in_shapes) -> float:
         return 2.0 * math.prod(out_shape) * k
     if op == "conv2d":  # each output element: a dot product over in_channels/groups x kernel window
         return 2.0 * math.prod(out_shape) * math.prod(in_shapes[1][1:])
+    if op == "conv2d_input_grad":  # as conv2d's, counted on the output gradient (operand 0)
+        return 2.0 * math.prod(in_shapes[0]) * math.prod(in_shapes[1][1:])
+    if op == "conv2d_weight_grad":
+        return 2.0 * math.prod(in_shapes[0]) * math.prod(out_shape[1:])
+    if op == "embedding_grad":  # the zero fill, and one add per gradient element
+        return math.prod(out_shape) + math.prod(in_shapes[0])
     if op in ("sdpa", "sdpa_mask"):
         q, k = in_shapes[0], in_shapes[1]
         return 4.0 * math.prod(q[:-1]) * k[-2] * q[-1]

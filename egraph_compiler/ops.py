@@ -22,14 +22,15 @@ Groups:
 """
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
-import torch.nn.attention
 import torch.nn.functional as F
+
+from . import library
+from .library import gqa
 
 Shape = tuple[int, ...]
 
@@ -155,14 +156,6 @@ def first_shape(shapes, a):
     return shapes[0]
 
 
-def gqa(q, k, v) -> bool:
-    """Grouped-query attention (torch's `enable_gqa`): k and v have fewer heads (dim -3) than q,
-    and each of theirs serves q.shape[-3] // k.shape[-3] of q's.  Equal or single k/v heads
-    broadcast instead (a single head serves all of q's either way)."""
-    return (len(q) == len(k) == len(v) >= 3 and k[-3] == v[-3] and k[-3] not in (1, q[-3])
-            and q[-3] % k[-3] == 0 and k[:-3] == v[:-3])
-
-
 def sdpa_shape(shapes, a):
     q, k, v = shapes[:3]
     if q[-1] != k[-1] or k[-2] != v[-2]:
@@ -189,10 +182,24 @@ def conv2d_shape(shapes, a):
     return (x[0], w[0], *out)
 
 
-def _conv2d(t, a):
-    x, w, b = t
-    return F.conv2d(x, w, b if b.dim() == 1 else None, a["stride"], a["padding"], a["dilation"], a["groups"]) + \
-        (b if b.dim() == 0 else 0)
+def conv2d_grad_shape(wrt: str):
+    """The shape of conv2d's gradient with respect to `wrt` ("input" or "weight"): the attribute
+    `shape`, checked against the output gradient's (operand 0) and the other operand's."""
+    def shape(shapes, a):
+        grad, other = shapes
+        x, w = (tuple(a["shape"]), other) if wrt == "input" else (other, tuple(a["shape"]))
+        if len(grad) != 4 or conv2d_shape([x, w, ()], a) != tuple(grad):
+            raise ShapeError(f"conv2d's {wrt} gradient: output gradient {list(grad)} does not fit input {list(x)},"
+                             f" weight {list(w)}")
+        return tuple(a["shape"])
+    return shape
+
+
+def embedding_grad_shape(shapes, a):
+    grad, ids = shapes
+    if tuple(grad[:-1]) != tuple(ids) or not grad:
+        raise ShapeError(f"embedding's gradient: gradient {list(grad)} does not fit ids {list(ids)}")
+    return (a["rows"], grad[-1])
 
 
 def linear_shape(shapes, a):
@@ -221,103 +228,6 @@ def leaf_shape(shapes, a):
 
 def _scalar_reference(tensors, a):
     return torch.tensor(a["value"], dtype=torch.float64)
-
-
-def _sdpa(t, a):
-    q, k, v = t[:3]
-    mask = t[3] if len(t) > 3 else None
-    if mask is not None and mask.dim() < 2:  # a scalar or per-key mask (rules may leave one): torch wants [..., L, S]
-        mask = mask.expand(1, k.shape[-2])
-    grouped = gqa(q.shape, k.shape, v.shape)
-    if mask is not None:  # torch refuses a mask with more batch than q: broadcast q, k and v to it
-        shapes = _attention_shapes(q.shape, k.shape, v.shape, mask.shape, grouped)
-        q, k, v = (x if shape == x.shape else x.expand(shape) for x, shape in zip((q, k, v), shapes))
-
-    def call(q, k, v):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=a["causal"], scale=a["scale"],
-                                              enable_gqa=grouped)
-    if not q.is_cuda:
-        return call(q, k, v)
-    if mask is not None:
-        mask = fused_kernel_mask(mask, k.shape[-2], q.dtype)
-    if grouped and mask is not None and not a["causal"] and q.dim() == 4:
-        return grouped_queries(q, k, v, query_group_mask(mask, q.shape[-3] // k.shape[-3], q.shape[-2]), a["scale"])
-    return on_cuda(call, q, k, v)
-
-
-@functools.lru_cache(maxsize=1024)
-def _attention_shapes(q, k, v, mask, grouped: bool) -> tuple:
-    """q's, k's and v's shapes broadcast to the mask's batch (per shape: a model's layers share one)."""
-    batch = torch.broadcast_shapes(q[:-2], k[:-3] + q[-3:-2] if grouped else k[:-2],
-                                   v[:-3] + q[-3:-2] if grouped else v[:-2], mask[:-2])
-    kv_batch = batch[:-1] + k[-3:-2] if grouped else batch
-    return (*batch, *q[-2:]), (*kv_batch, *k[-2:]), (*kv_batch, *v[-2:])
-
-
-def on_cuda(call, q, k, v):
-    # torch's fused CUDA kernels refuse misaligned views ("query is not correctly aligned") and some
-    # head sizes with a mask ("no kernel found to launch"): the views as they are (q, k and v are
-    # usually slices of one projection, which the kernels read in place), then aligned copies, then
-    # the math kernel
-    try:
-        return call(q, k, v)
-    except RuntimeError:
-        pass
-    q, k, v = (x.contiguous() for x in (q, k, v))
-    try:
-        return call(q, k, v)
-    except RuntimeError:
-        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
-            return call(q, k, v)
-
-
-def query_group_mask(mask, groups: int, rows: int):
-    """The mask for `grouped_queries`, for `rows` queries: [B, 1 or H, L or 1, S] ->
-    [B, 1 or H / groups, groups * L, S] (a copy, made once per run for the layers that share it)."""
-    while mask.dim() < 4:
-        mask = mask.unsqueeze(0)
-    b, h, _, keys = mask.shape
-    if h == 1:
-        return mask.unsqueeze(2).expand(b, 1, groups, rows, keys).reshape(b, 1, groups * rows, keys)
-    return mask.expand(b, h, rows, keys).reshape(b, h // groups, groups * rows, keys)
-
-
-def grouped_queries(q, k, v, group_mask, scale):
-    """Grouped-query attention with a mask on CUDA.  torch's fused kernels take no `enable_gqa`
-    with a mask (it repeats K and V, two copies per layer), so each key/value head's group of
-    query heads goes on the query axis instead: q [B, Hk * g, L, d] viewed as [B, Hk, g * L, d],
-    the mask repeated per group (query_group_mask).  Exact: the same rows meet the same keys."""
-    b, heads, rows, d = q.shape
-    kv_heads = k.shape[-3]
-    flat = q.reshape(b, kv_heads, heads // kv_heads * rows, d)
-
-    def call(q, k, v):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=group_mask, scale=scale)
-    return on_cuda(call, flat, k, v).reshape(b, heads, rows, v.shape[-1])
-
-
-def fused_kernel_mask(mask, keys: int, dtype):
-    """A mask torch's fused CUDA attention kernels take (measured on an H200, torch
-    2.11): one that broadcasts along the keys (BERT's `q_idx >= 0`, shape
-    [1, 1, L, 1]) sends torch to its float32 math kernel, 4-5x slower; a boolean
-    mask on cuDNN gives garbage for a fully masked row, where the math kernel
-    gives 0.  So: keys materialised (last stride 1), booleans as an additive
-    0 / -inf mask in q's dtype, with which the fused kernels give 0 for such a
-    row, as the math kernel does."""
-    if mask.dim() < 2:  # (a scalar or per-key mask, as in `_sdpa`)
-        mask = mask.expand(1, keys)
-    if mask.shape[-1] != keys or mask.stride(-1) != 1:
-        mask = mask.expand(*mask.shape[:-1], keys).contiguous()
-    if mask.dtype == torch.bool:
-        key = (mask.device, dtype)
-        if key not in _MASK_VALUES:  # (made on a first call, never while a CUDA graph records)
-            _MASK_VALUES[key] = (torch.zeros((), dtype=dtype, device=mask.device),
-                                 torch.full((), float("-inf"), dtype=dtype, device=mask.device))
-        mask = torch.where(mask, *_MASK_VALUES[key])  # one kernel
-    return mask
-
-
-_MASK_VALUES: dict = {}  # (device, dtype) -> the 0-d tensors 0 and -inf
 
 
 COMPARISONS = frozenset({"gt", "ge", "lt", "le", "eq", "ne"})  # pointwise ops with a bool result
@@ -391,10 +301,18 @@ _op("gather", "gather", 2, [("dim", "int")], gather_shape, 0, lambda t, a: torch
 # library calls
 _op("matmul", "library", 2, [], matmul_shape, 2, lambda t, a: torch.matmul(t[0], t[1]))
 _op("linear", "library", 3, [], linear_shape, 2, lambda t, a: F.linear(t[0], t[1], t[2]))
-_op("conv2d", "library", 3, [("stride", "ints"), ("padding", "ints"), ("dilation", "ints"), ("groups", "int")],
-    conv2d_shape, 2, _conv2d)
-_op("sdpa", "library", 3, [("scale", "float"), ("causal", "bool")], sdpa_shape, 4, _sdpa)
-_op("sdpa_mask", "library", 4, [("scale", "float"), ("causal", "bool")], sdpa_shape, 4, _sdpa)
+_CONV = [("stride", "ints"), ("padding", "ints"), ("dilation", "ints"), ("groups", "int")]
+_op("conv2d", "library", 3, _CONV, conv2d_shape, 2, library.conv2d)
+# gradients that AOTAutograd's backward graphs hold (convolution_backward's outputs, one op each;
+# the bias's is a sum), and an embedding's weight gradient (rows of zeros, each id's gradient added)
+_op("conv2d_input_grad", "library", 2, [("shape", "ints")] + _CONV, conv2d_grad_shape("input"), 2,
+    library.conv2d_input_grad, "first")
+_op("conv2d_weight_grad", "library", 2, [("shape", "ints")] + _CONV, conv2d_grad_shape("weight"), 2,
+    library.conv2d_weight_grad, "first")
+_op("embedding_grad", "library", 2, [("rows", "int"), ("padding_idx", "int"), ("scale", "bool")],
+    embedding_grad_shape, 1, library.embedding_grad, "first")
+_op("sdpa", "library", 3, [("scale", "float"), ("causal", "bool")], sdpa_shape, 4, library.sdpa)
+_op("sdpa_mask", "library", 4, [("scale", "float"), ("causal", "bool")], sdpa_shape, 4, library.sdpa)
 # functional collectives (torch.distributed._functional_collectives as Dynamo captures them): each
 # returns a tensor that `wait_tensor` must wait for before it is read; `group` names the process group
 _c10d = getattr(torch.ops, "_c10d_functional", None)

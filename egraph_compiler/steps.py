@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch._prims_common import make_contiguous_strides_for
 
-from . import ops
+from . import library, ops
 from .errors import CodegenError
 from .graph import WEAK, Node
 
@@ -140,7 +140,7 @@ class TorchSteps:
     def _masked_attention(self, node: Node, args, reference):
         key = ("mask", id(node.args[3]), node.args[0].dtype, args[1].shape[-2])  # each layer's sdpa reads
         if key not in self.memo:  # one mask: converted once per run
-            self.memo[key] = ops.fused_kernel_mask(args[3], args[1].shape[-2], args[0].dtype)
+            self.memo[key] = library.fused_kernel_mask(args[3], args[1].shape[-2], args[0].dtype)
         args[3] = mask = self.memo[key]
         q, k, v = args[:3]
         if (ops.gqa(q.shape, k.shape, v.shape) and q.dim() == 4 and not node.attr("causal")
@@ -148,8 +148,8 @@ class TorchSteps:
             groups = q.shape[-3] // k.shape[-3]  # grouped-query attention: the grouped mask, also once
             key = key + (groups, q.shape[-2])
             if key not in self.memo:
-                self.memo[key] = ops.query_group_mask(mask, groups, q.shape[-2])
-            return ops.grouped_queries(q, k, v, self.memo[key], node.attr("scale"))
+                self.memo[key] = library.query_group_mask(mask, groups, q.shape[-2])
+            return library.grouped_queries(q, k, v, self.memo[key], node.attr("scale"))
         return reference(args, node.a)
 
 

@@ -179,6 +179,19 @@ CASES: list[OpCase] = [
     C("conv2d_groups_patchify", "conv2d",  # ViT's patch embedding, then its flatten/transpose
       lambda x, w: F.conv2d(x, w, stride=4, groups=2).flatten(2).transpose(1, 2) * 2,
       lambda: (randn(1, 4, 8, 12), randn(6, 2, 4, 4))),
+    # the gradients AOTAutograd's backward graphs hold, called as ATen ops (a user's autograd.Function can)
+    C("conv2d_input_grad", "conv2d_input_grad",
+      lambda g, x, w: torch.ops.aten.convolution_backward(g, x, w, [6], [2, 2], [1, 1], [1, 1], False, [0, 0], 2,
+                                                          [True, False, False])[0] * 2,
+      lambda: (randn(2, 6, 5, 4), randn(2, 4, 9, 8), randn(6, 2, 3, 3))),
+    C("conv2d_weight_and_bias_grad", "conv2d_weight_grad",
+      lambda g, x, w: torch.ops.aten.convolution_backward(g, x, w, [6], [1, 2], [0, 1], [2, 1], False, [0, 0], 1,
+                                                          [False, True, True])[1:],
+      lambda: (randn(2, 6, 5, 3), randn(2, 4, 9, 6), randn(6, 4, 3, 3))),
+    C("embedding_grad_padding_and_frequency", "embedding_grad",
+      lambda g, ids: (torch.ops.aten.embedding_dense_backward(g, ids, 7, 2, True),
+                      torch.ops.aten.embedding_dense_backward(g * 2, ids, 9, -1, False)),
+      lambda: (randn(3, 4, 5), torch.randint(0, 7, (3, 4)))),
     C("sdpa_repeat_kv_masked", "sdpa_mask",  # transformers' repeat_kv: the rule hands sdpa K and V unrepeated
       lambda q, k, v, m: F.scaled_dot_product_attention(
           q, k[:, :, None].expand(2, 2, 2, 5, 8).reshape(2, 4, 5, 8),
@@ -297,9 +310,9 @@ def test_bool_logic_is_generated(fn, target):
 
 @pytest.mark.parametrize("mask_shape", [(2, 1, 6, 5), (2, 4, 6, 5), (1, 1, 1, 5), (6, 5), (2, 4, 1, 5)])
 def test_grouped_queries_match_torch_grouped_query_attention(mask_shape):
-    """The CUDA path for a masked GQA sdpa (ops.grouped_queries: each K/V head's group of query heads on
+    """The CUDA path for a masked GQA sdpa (library.grouped_queries: each K/V head's group of query heads on
     the query axis, the mask repeated per group) computes torch's enable_gqa attention exactly."""
-    from egraph_compiler.ops import grouped_queries, query_group_mask
+    from egraph_compiler.library import grouped_queries, query_group_mask
     torch.manual_seed(0)
     q, k, v = torch.randn(2, 4, 6, 8), torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 3)
     mask = torch.randn(mask_shape)
