@@ -123,13 +123,15 @@ def render_expr(expr, target: Target, load: Callable[[Load], str], acc: Callable
 
 
 def _bind(e, var: str, text: str):
-    """`e` with the index variable `var` written as `text` (a gather's row) in its loads."""
+    """`e` with the index variable `var` written as `text` (a gather's row) in its loads and indices."""
     if isinstance(e, Load):
         return Load(e.param, _bind_index(e.index, var, text))
     if isinstance(e, Call):
         return Call(e.op, tuple(_bind(a, var, text) for a in e.args), e.dtype)
     if isinstance(e, Gather):
         return Gather(_bind(e.value, var, text), e.var, _bind(e.row, var, text), e.rows)
+    if isinstance(e, Index):  # a cat's position along the gathered dim (the row itself)
+        return Index(_bind_index(e.index, var, text))
     return e
 
 

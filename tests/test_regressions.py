@@ -688,3 +688,16 @@ def test_views_before_a_library_call_are_taken_in_one_step():
             torch.testing.assert_close(got, want)
     seen = [taken for layouts in compiled._executable.steps.views.values() for taken in layouts.values()]
     assert False in seen and any(seen)  # (False: the chain copied, taken again each call)
+
+
+@pytest.mark.parametrize("target", ["cpu", "triton"])
+def test_gather_along_a_concatenated_dim(target):
+    """A gather (or embedding) whose source is a cat computed in its kernel, along the cat's dim: the
+    cat's test of which operand a position is in reads the gathered row (the C++ kernel named an
+    undeclared variable, found by the soak, seed 9321)."""
+    def fn(a, b, i):
+        return torch.gather(torch.cat((a.exp(), b * 2), dim=-1)[2], -1, i)
+    a, b, i = torch.randn(4, 3), torch.randn(4, 5), torch.tensor([7, 0, 2, 3, 4, 4])
+    compiled = egc.compile(fn, [a, b, i], target=target)
+    assert len(compiled.plan.kernels) == 1, compiled.plan  # the cat computed in the gather's kernel
+    torch.testing.assert_close(compiled(a, b, i), fn(a, b, i))
