@@ -4,8 +4,9 @@ torch.export (non-strict) gives a functional ATen graph with shapes and
 dtypes; `run_decompositions({})` functionalises it while keeping composites
 (softmax, layer_norm, gelu, silu, linear, sdpa) whole, because decomposing
 them is the rules' job.  Each ATen op is translated onto the op table by the
-CONVERTERS table (converters.py; backward graphs' own ops: gradients.py);
-anything they lack becomes an `extern` node run by ATen.  This is the only module that imports torch.export / torch.fx.
+converters' tables (converters.py; backward graphs' own ops: gradients.py;
+convolutional networks': convnets.py); anything they lack becomes an `extern`
+node run by ATen.  This is the only module that imports torch.export / torch.fx.
 """
 from __future__ import annotations
 
@@ -21,10 +22,12 @@ import torch.fx
 from . import ops
 from .errors import CaptureError
 from .converters import CONVERTERS
+from .convnets import CONVNETS
 from .gradients import GRADIENTS
 from .graph import TENSOR_SLOT, WEAK, Bound, ExternCall, Graph, Literal, Node, input_node
 
 aten = torch.ops.aten
+TABLE = CONVERTERS | GRADIENTS | CONVNETS  # every ATen op capture maps onto the op table
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))  # torch's frames are not the user's source
 
@@ -164,7 +167,7 @@ def _convert(fx_node, env, where) -> object:
         return env[seq.name][index]
     args = [_arg(a, env) for a in fx_node.args]
     kwargs = {k: _arg(v, env) for k, v in fx_node.kwargs.items()}
-    converter = CONVERTERS.get(fx_node.target) or GRADIENTS.get(fx_node.target)
+    converter = TABLE.get(fx_node.target)
     result, reason = None, "outside the vocabulary"
     if any(isinstance(a, float) and math.isnan(a) for a in [*args, *kwargs.values()]):
         converter, reason = None, "a NaN constant (the e-graph's numbers cannot hold NaN)"

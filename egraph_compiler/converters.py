@@ -158,6 +158,16 @@ def _expand(x, shape):
     return x if tuple(shape) == x.shape else Node.make("expand", (x,), {"shape": tuple(shape)})
 
 
+def _repeat(x, repeats):
+    """torch's repeat (tiling): each dim of x (leading 1s added) as [1, n] expanded to [r, n], merged."""
+    shape = [1] * (len(repeats) - len(x.shape)) + list(x.shape)
+    if len(repeats) < len(x.shape) or min(repeats, default=1) < 0:
+        return None
+    spread = _reshape(x, [d for n in shape for d in (1, n)])
+    tiled = _expand(spread, [d for r, n in zip(repeats, shape) for d in (r, n)])
+    return _reshape(tiled, [r * n for r, n in zip(repeats, shape)])
+
+
 def _cast(x, dtype=None, **kw):
     if dtype is None or set(kw) - {"layout", "device", "pin_memory", "non_blocking", "memory_format"}:
         return None
@@ -323,7 +333,7 @@ CONVERTERS = {
     aten.permute.default: lambda x, dims: Node.make("permute", (x,), {"dims": tuple(
         ops.norm_dim(d, len(x.shape)) for d in dims)}),
     aten.view.default: _reshape, aten._unsafe_view.default: _reshape, aten.reshape.default: _reshape,
-    aten.expand.default: _expand, aten.slice.Tensor: _slice, aten.cat.default: _cat, aten.split.Tensor: _split,
+    aten.expand.default: _expand, aten.repeat.default: _repeat, aten.slice.Tensor: _slice, aten.cat.default: _cat, aten.split.Tensor: _split,
     aten.split_with_sizes.default: _split, aten.squeeze.dim: _squeeze, aten.squeeze.dims: _squeeze,
     aten.squeeze.default: _squeeze, aten.unsqueeze.default: _unsqueeze, aten.select.int: _select,
     aten.clone.default: _identity, aten.alias.default: _identity, aten.detach.default: _identity,

@@ -30,6 +30,10 @@ DECOMPOSED = [
     aten._fused_rms_norm_backward, aten.native_dropout_backward,
     # forward ops whose saved outputs only primitives give (mean/rstd), or that only ATen runs otherwise
     aten.native_layer_norm, aten._fused_rms_norm,
+    # batch norm: statistics as reductions, the running ones' update as arithmetic (written back by
+    # copy: convnets.py), its backward as primitives
+    aten._native_batch_norm_legit_functional, aten._native_batch_norm_legit_no_training,
+    aten._native_batch_norm_legit, aten.native_batch_norm, aten.native_batch_norm_backward,
 ]
 
 

@@ -1,6 +1,7 @@
 """Real torch.nn models, compiled whole and checked against eager."""
 import pytest
 import torch
+import torch.nn.functional as F
 
 import egraph_compiler as egc
 
@@ -128,3 +129,61 @@ def test_hf_activations_and_norms_as_written_become_composites(name, dtype):
         torch.testing.assert_close(compiled(x), layer(x), atol=tol, rtol=tol)
     assert compiled.plan.count(composite) == 1, str(compiled.plan)
     assert not compiled.plan.fallbacks
+
+
+class _ConvNet(torch.nn.Module):
+    """A small residual convolutional network, as torchvision writes them: conv, batch norm, relu,
+    a residual block, adaptive average pooling to 1x1 and to 2x2, a linear head."""
+
+    def __init__(self):
+        super().__init__()
+        bn = torch.nn.BatchNorm2d
+        self.stem = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, stride=2, padding=1, bias=False), bn(8),
+                                        torch.nn.ReLU())
+        self.block = torch.nn.Sequential(torch.nn.Conv2d(8, 8, 3, padding=1, bias=False), bn(8), torch.nn.ReLU(),
+                                         torch.nn.Conv2d(8, 8, 3, padding=1, groups=2), bn(8, affine=False))
+        self.head = torch.nn.Linear(8 + 32, 10)
+
+    def forward(self, x):
+        h = torch.relu(self.stem(x) + self.block(self.stem(x)))
+        pooled = torch.cat((F.adaptive_avg_pool2d(h, 1).flatten(1), F.adaptive_avg_pool2d(h, (2, 1)).flatten(1)
+                            .repeat(1, 2)), 1)
+        return self.head(pooled)
+
+
+def _convnet():
+    torch.manual_seed(0)
+    model = _ConvNet()
+    for m in model.modules():  # running statistics and affine parameters other than the defaults
+        if isinstance(m, torch.nn.BatchNorm2d):
+            m.running_mean.uniform_(-1, 1)
+            m.running_var.uniform_(0.5, 2)
+            if m.affine:
+                torch.nn.init.normal_(m.weight)
+    return model
+
+
+@pytest.mark.parametrize("target", ["cpu", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_convnet_inference_has_no_fallback(target, dtype):
+    """Batch norm in eval mode becomes per-channel arithmetic (fused with the relu and residual
+    add around it) and adaptive average pooling a mean over equal windows: no ATen fallback."""
+    model = _convnet().eval().to(dtype)
+    x = torch.randn(2, 3, 16, 12).to(dtype)
+    torch._dynamo.reset()
+    egc.last_plans(clear=True)
+    with torch.no_grad():
+        got = torch.compile(model, backend="egraph", options={"target": target})(x)
+        want = model(x)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    plans = egc.last_plans()
+    assert plans and not any(p.fallbacks for p in plans), [p.fallbacks for p in plans]
+    assert sum(p.ops()["rsqrt"] for p in plans) == 3  # each batch norm's scale
+
+
+def test_adaptive_pool_of_uneven_windows_falls_back_with_a_warning():
+    x = torch.randn(2, 3, 7, 5)
+    with pytest.warns(UserWarning, match="adaptive_avg_pool2d"):
+        compiled = egc.compile(lambda x: F.adaptive_avg_pool2d(x, (3, 2)), [x])
+    torch.testing.assert_close(compiled(x), F.adaptive_avg_pool2d(x, (3, 2)))

@@ -141,6 +141,8 @@ CASES: list[OpCase] = [
       lambda x: (x.reshape(4, 6), x.view(-1, 2), x[1], x.unsqueeze(1)), lambda: (randn(2, 3, 4),)),
     C("reshape_after_transpose", "reshape", lambda x: x.transpose(0, 1).reshape(6, 4), lambda: (randn(2, 3, 4),)),
     C("expand", "expand", lambda x: x.expand(2, -1, 4), lambda: (randn(3, 1),)),
+    C("repeat_tiles_and_new_dims", "expand",  # torch.repeat: [1, n] expanded to [r, n] per dim, merged
+      lambda x: (x.repeat(2, 1, 3) * 2, x.t().repeat(1, 2), x.repeat(0, 1)), lambda: (randn(3, 4),)),
     C("repeat_interleave_and_repeat_kv", "repeat_interleave",  # transformers' repeat_kv is one too
       lambda x: (x.repeat_interleave(3, dim=1), x[:, :, None].expand(2, 2, 3, 4).reshape(2, 6, 4) * 2,
                  x.repeat_interleave(2, dim=-1)), lambda: (randn(2, 2, 4),)),

@@ -173,6 +173,27 @@ def test_convolution_and_embedding_gradients_are_library_calls(target):
     assert {"conv2d_input_grad", "conv2d_weight_grad", "embedding_grad"} <= ops, ops
 
 
+def test_convnet_with_batch_norm_trains_like_eager():
+    """Batch norm in train mode (batch statistics, running statistics updated and written back) and
+    its backward, decomposed by torch into the op table's primitives: gradients, outputs and running
+    statistics as eager's over two steps, with no ATen fallback in either graph."""
+    from test_models import _convnet
+    model = _convnet().train()
+    reference = _convnet().train()
+    x = torch.randn(4, 3, 16, 12, generator=torch.Generator().manual_seed(3))
+    compiled = _compile(model)
+    for step in range(2):
+        for net, fn in ((model, compiled), (reference, reference)):
+            net.zero_grad(set_to_none=True)
+            (fn(x) * _weights_for(torch.empty(4, 10))).sum().backward()
+        got = {n: p.grad for n, p in model.named_parameters()}
+        _assert_grads_close(got, {n: p.grad for n, p in reference.named_parameters()})
+        for (name, mine), theirs in zip(model.named_buffers(), reference.buffers()):
+            torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6, msg=lambda m: f"step {step} {name}: {m}")
+    plans = egc.last_plans()
+    assert len(plans) >= 2 and not any(p.fallbacks for p in plans), [p.fallbacks for p in plans]
+
+
 def test_gpt2_trains_with_dropout_when_seeds_are_fixed():
     from transformers import GPT2Config, GPT2LMHeadModel
     torch.manual_seed(0)

@@ -1,0 +1,91 @@
+"""Converters for the ops of convolutional networks as torch hands them over: the
+general `convolution` (AOTAutograd's form of conv2d) and its gradients, batch
+norm in inference (per-channel arithmetic, which the rules fuse with the ops
+around it), adaptive average pooling to sizes that divide the input (a reshape
+and a mean; its gradient an expand), and `copy` (a training graph's running statistics, written back).
+In training, batch norm and its backward are decomposed by torch (training.py).
+capture.py reads these with converters.py's table."""
+from __future__ import annotations
+
+import torch
+
+from .converters import _cast, _conv2d, _expand, _fill, _reshape
+from .graph import Node, const
+
+aten = torch.ops.aten
+
+
+def _convolution(x, w, b, stride, padding, dilation, transposed, output_padding, groups):
+    """torch's general convolution (AOTAutograd's form of conv2d): the 2-d, untransposed case."""
+    if transposed or len(x.shape) != 4 or len(stride) != 2 or any(output_padding):
+        return None
+    return _conv2d(x, w, b, stride, padding, dilation, groups)
+
+
+def _convolution_backward(grad, x, w, bias_sizes, stride, padding, dilation, transposed, output_padding, groups,
+                          mask):
+    """(input's, weight's, bias's gradient) of a 2-d convolution, None where `mask` asks for none."""
+    if transposed or len(x.shape) != 4 or len(stride) != 2 or any(output_padding):
+        return None
+    attrs = {"stride": tuple(stride), "padding": tuple(padding), "dilation": tuple(dilation), "groups": groups}
+    return [Node.make("conv2d_input_grad", (grad, w), {"shape": x.shape} | attrs) if mask[0] else None,
+            Node.make("conv2d_weight_grad", (grad, x), {"shape": w.shape} | attrs) if mask[1] else None,
+            Node.make("sum", (grad,), {"dims": (-4, -2, -1), "keepdim": False}) if mask[2] else None]
+
+
+def _channels(v: Node, rank: int) -> Node:
+    """A per-channel vector [C] laid along dim 1 of a rank-`rank` tensor: [1, C, 1, ...]."""
+    return _reshape(v, [1, v.shape[0]] + [1] * (rank - 2))
+
+
+def _batch_norm_inference(x, w, b, mean, var, momentum, eps):
+    """(x - mean) / sqrt(var + eps) * w + b with the running statistics, in float32 for narrower
+    inputs (as torch computes it), then x's dtype; the saved mean and rstd are empty, as torch's."""
+    rank = len(x.shape)
+    if rank < 2 or not x.dtype.startswith(("float", "bfloat")) or mean is None or var is None:
+        return None
+    out = Node.make("mul", (Node.make("sub", (x, _channels(mean, rank))), Node.make(
+        "rsqrt", (Node.make("add", (_channels(var, rank), const(float(eps)))),))))
+    if w is not None:
+        out = Node.make("mul", (out, _channels(w, rank)))
+    if b is not None:
+        out = Node.make("add", (out, _channels(b, rank)))
+    empty = _fill(0.0, [0], like=mean)
+    return [_cast(out, x.dtype), empty, empty]
+
+
+def _adaptive_avg_pool2d(x, output_size):
+    """Average pooling to `output_size` where it divides the input's height and width: equal
+    windows, a reshape and a mean (other sizes' uneven windows: ATen)."""
+    size = [n if o is None else o for n, o in zip(x.shape[-2:], output_size)]
+    if len(x.shape) not in (3, 4) or any(o <= 0 or n % o for n, o in zip(x.shape[-2:], size)):
+        return None
+    (h, w), (oh, ow) = x.shape[-2:], size
+    windows = _reshape(x, [*x.shape[:-2], oh, h // oh, ow, w // ow])
+    return Node.make("mean", (windows,), {"dims": (-3, -1), "keepdim": False})
+
+
+def _adaptive_avg_pool2d_backward(grad, x):
+    """Its gradient where the windows are equal: each window's share of its output's gradient."""
+    (h, w), (oh, ow) = x.shape[-2:], grad.shape[-2:]
+    if len(x.shape) not in (3, 4) or oh <= 0 or ow <= 0 or h % oh or w % ow:
+        return None
+    batch = list(grad.shape[:-2])
+    spread = _expand(_reshape(grad, batch + [oh, 1, ow, 1]), batch + [oh, h // oh, ow, w // ow])
+    return Node.make("div", (_reshape(spread, list(x.shape)), const(float(h // oh * (w // ow)))))
+
+
+def _copy(x, src, non_blocking=False):
+    """copy(x, src): src in x's dtype, broadcast to x's shape (a functional copy_)."""
+    return _expand(_cast(src, x.dtype), list(x.shape))
+
+
+CONVNETS = {
+    aten.convolution.default: _convolution,
+    aten.convolution_backward.default: _convolution_backward,
+    aten._native_batch_norm_legit_no_training.default: _batch_norm_inference,
+    aten.adaptive_avg_pool2d.default: _adaptive_avg_pool2d,
+    aten._adaptive_avg_pool2d.default: _adaptive_avg_pool2d,
+    aten._adaptive_avg_pool2d_backward.default: _adaptive_avg_pool2d_backward,
+    aten.copy.default: _copy,
+}
