@@ -701,3 +701,21 @@ def test_gather_along_a_concatenated_dim(target):
     compiled = egc.compile(fn, [a, b, i], target=target)
     assert len(compiled.plan.kernels) == 1, compiled.plan  # the cat computed in the gather's kernel
     torch.testing.assert_close(compiled(a, b, i), fn(a, b, i))
+
+
+def test_sdpa_keeps_nan_rows_on_cpu():
+    """A query row that meets only NaN scores (a NaN in the row, or in every key) gives NaN, as the
+    arithmetic and torch's math kernel do; torch's CPU flash kernel, which it picks for contiguous
+    inputs, gives 0 there (soak, seed 9321: NaN from a layer_norm with a negative eps became 0)."""
+    fn = lambda q, k, v: F.scaled_dot_product_attention(q, k, v)  # noqa: E731
+    q, k, v = torch.randn(2, 2, 6, 4), torch.randn(2, 2, 5, 4), torch.randn(2, 2, 5, 4)
+    q[0, 1, 2, 3] = float("nan")
+    k[1, 0] = float("nan")
+    compiled = egc.compile(fn, [q, k, v])
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        want = fn(q, k, v)
+    got = compiled(q, k, v)
+    assert got.isnan().sum() == want.isnan().sum() == 4 + 6 * 4
+    torch.testing.assert_close(got, want, equal_nan=True)
+    q, k = torch.randn(2, 2, 6, 4), torch.randn(2, 2, 5, 4)  # finite: the flash kernel's result
+    torch.testing.assert_close(compiled(q, k, v), fn(q, k, v))
