@@ -148,7 +148,24 @@ def _check_examples(example_inputs) -> list:
         if not isinstance(value, torch.Tensor):
             raise InputError(f"example input {i} is a {type(value).__name__}; compiled programs take tensors "
                              f"(bind other arguments with functools.partial, or pass torch.tensor(value))")
-    return list(example_inputs)
+    return _unaliased(example_inputs)
+
+
+def _unaliased(example_inputs) -> list:
+    """The examples, each sharing memory with an earlier one cloned: capture traces by tensor, so
+    the same tensor passed as two arguments would become one input of the program, and a later
+    call with two different tensors would read only one of them."""
+    seen, out = set(), []
+    for value in example_inputs:
+        try:
+            key = (value.device, value.untyped_storage().data_ptr()) if value.numel() else None
+        except (RuntimeError, NotImplementedError):  # (no storage: sparse, nested)
+            key = None
+        if key is not None and key in seen:
+            value = value.detach().clone().requires_grad_(value.requires_grad)
+        out.append(value)
+        seen.add(key)
+    return out
 
 
 def explain(fn, example_inputs, **kwargs) -> Levels:

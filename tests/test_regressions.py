@@ -719,3 +719,18 @@ def test_sdpa_keeps_nan_rows_on_cpu():
     torch.testing.assert_close(got, want, equal_nan=True)
     q, k = torch.randn(2, 2, 6, 4), torch.randn(2, 2, 5, 4)  # finite: the flash kernel's result
     torch.testing.assert_close(compiled(q, k, v), fn(q, k, v))
+
+
+def test_one_tensor_passed_as_two_examples_stays_two_inputs():
+    """The same tensor as two example arguments (zeros for two biases): capture traces by tensor,
+    so both uses read one input, and a call with two different tensors was wrong (max error 2.6),
+    found by passing one zero tensor twice while timing a kernel.  Views of one storage too."""
+    fn = lambda x, b, w, c: F.layer_norm(x + b, (8,), w, c) + w[:4].sum()  # noqa: E731
+    zeros, x = torch.zeros(8), torch.randn(3, 8)
+    compiled = egc.compile(fn, [x, zeros, torch.ones(8), zeros])
+    args = (x, torch.randn(8), torch.randn(8), torch.randn(8))
+    torch.testing.assert_close(compiled(*args), fn(*args))
+    base = torch.randn(16)
+    compiled = egc.compile(lambda a, b: a * 2 + b, [base[:8], base[8:]])
+    a, b = torch.randn(8), torch.randn(8)
+    torch.testing.assert_close(compiled(a, b), a * 2 + b)
