@@ -2,8 +2,10 @@
 general `convolution` (AOTAutograd's form of conv2d) and its gradients, batch
 norm in inference (per-channel arithmetic, which the rules fuse with the ops
 around it), adaptive average pooling to sizes that divide the input (a reshape
-and a mean; its gradient an expand), and `copy` (a training graph's running statistics, written back).
-In training, batch norm and its backward are decomposed by torch (training.py).
+and a mean; its gradient an expand; 1-d too), max pooling over windows that tile
+the input (a reshape and an amax), and `copy` (a training graph's running
+statistics, written back).  In training, batch norm and its backward are
+decomposed by torch (training.py).
 capture.py reads these with converters.py's table."""
 from __future__ import annotations
 
@@ -65,6 +67,27 @@ def _adaptive_avg_pool2d(x, output_size):
     return Node.make("mean", (windows,), {"dims": (-3, -1), "keepdim": False})
 
 
+def _adaptive_avg_pool1d(x, output_size):
+    (size,) = output_size
+    if len(x.shape) not in (2, 3) or size <= 0 or x.shape[-1] % size:
+        return None
+    windows = _reshape(x, [*x.shape[:-1], size, x.shape[-1] // size])
+    return Node.make("mean", (windows,), {"dims": (-1,), "keepdim": False})
+
+
+def _max_pool2d(x, kernel, stride=(), padding=0, dilation=1, ceil_mode=False):
+    """Max pooling over windows that tile the input (stride = kernel, no padding or dilation,
+    sizes that divide): a reshape and an amax (overlapping or padded windows: ATen)."""
+    pair = (lambda v: tuple(v) * (2 // len(v)) if isinstance(v, (list, tuple)) else (v, v))
+    kernel, stride = pair(kernel), pair(stride) if stride not in ((), []) else pair(kernel)
+    if (len(x.shape) not in (3, 4) or kernel != stride or any(pair(padding)) or pair(dilation) != (1, 1)
+            or any(n % k for n, k in zip(x.shape[-2:], kernel))):
+        return None
+    (h, w), (kh, kw) = x.shape[-2:], kernel
+    windows = _reshape(x, [*x.shape[:-2], h // kh, kh, w // kw, kw])
+    return Node.make("amax", (windows,), {"dims": (-3, -1), "keepdim": False})
+
+
 def _adaptive_avg_pool2d_backward(grad, x):
     """Its gradient where the windows are equal: each window's share of its output's gradient."""
     (h, w), (oh, ow) = x.shape[-2:], grad.shape[-2:]
@@ -87,5 +110,7 @@ CONVNETS = {
     aten.adaptive_avg_pool2d.default: _adaptive_avg_pool2d,
     aten._adaptive_avg_pool2d.default: _adaptive_avg_pool2d,
     aten._adaptive_avg_pool2d_backward.default: _adaptive_avg_pool2d_backward,
+    aten.adaptive_avg_pool1d.default: _adaptive_avg_pool1d,
+    aten.max_pool2d.default: _max_pool2d,
     aten.copy.default: _copy,
 }

@@ -187,3 +187,22 @@ def test_adaptive_pool_of_uneven_windows_falls_back_with_a_warning():
     with pytest.warns(UserWarning, match="adaptive_avg_pool2d"):
         compiled = egc.compile(lambda x: F.adaptive_avg_pool2d(x, (3, 2)), [x])
     torch.testing.assert_close(compiled(x), F.adaptive_avg_pool2d(x, (3, 2)))
+
+
+@pytest.mark.parametrize("target", ["cpu", "triton"])
+def test_pooling_over_tiling_windows_is_generated(target):
+    """Max pooling whose windows tile the input (a reshape and an amax, NaN kept as torch keeps
+    it) and adaptive average pooling in 1-d and 2-d: generated; overlapping windows: ATen, warned."""
+    x = torch.randn(2, 3, 8, 6)
+    x[0, 1, 2, 3] = float("nan")
+
+    def fn(x):
+        return (F.max_pool2d(x, 2) * 2, F.max_pool2d(x[0], (4, 3)), F.adaptive_avg_pool1d(x.flatten(2), 4),
+                F.adaptive_avg_pool2d(x, (4, 2)))
+    compiled = egc.compile(fn, [x], target=target)
+    for got, want in zip(compiled(x), fn(x)):
+        torch.testing.assert_close(got, want, equal_nan=True)
+    assert not compiled.plan.fallbacks, compiled.plan.fallbacks
+    with pytest.warns(UserWarning, match="max_pool2d"):
+        overlapping = egc.compile(lambda x: F.max_pool2d(x, 3, 2, 1), [x], target=target)
+    torch.testing.assert_close(overlapping(x), F.max_pool2d(x, 3, 2, 1), equal_nan=True)
