@@ -4,9 +4,9 @@ torch.export (non-strict) gives a functional ATen graph with shapes and
 dtypes; `run_decompositions({})` functionalises it while keeping composites
 (softmax, layer_norm, gelu, silu, linear, sdpa) whole, because decomposing
 them is the rules' job.  Each ATen op is translated onto the op table by the
-converters' tables (converters.py; backward graphs' own ops: gradients.py;
-convolutional networks': convnets.py); anything they lack becomes an `extern`
-node run by ATen.  This is the only module that imports torch.export / torch.fx.
+converters' tables (converters.py; reads by index: indexing.py; backward
+graphs' own ops: gradients.py; convolutional networks': convnets.py); anything
+they lack becomes an `extern` node run by ATen.  This is the only module that imports torch.export / torch.fx.
 """
 from __future__ import annotations
 
@@ -24,10 +24,11 @@ from .errors import CaptureError
 from .converters import CONVERTERS
 from .convnets import CONVNETS
 from .gradients import GRADIENTS
+from .indexing import INDEXING
 from .graph import TENSOR_SLOT, WEAK, Bound, ExternCall, Graph, Literal, Node, input_node
 
 aten = torch.ops.aten
-TABLE = CONVERTERS | GRADIENTS | CONVNETS  # every ATen op capture maps onto the op table
+TABLE = CONVERTERS | INDEXING | GRADIENTS | CONVNETS  # every ATen op capture maps onto the op table
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))  # torch's frames are not the user's source
 

@@ -276,18 +276,6 @@ def _linear(x, w, b=None):
     return Node.make("linear", (x, w, b if b is not None else const(0.0)))
 
 
-def _embedding(weight, ids, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
-    if len(weight.shape) != 2 or ids.dtype not in ops.INTEGERS:  # (padding_idx and the rest: backward only)
-        return None
-    return Node.make("embedding", (weight, ids))
-
-
-def _gather(x, dim, index, sparse_grad=False):
-    if index.dtype not in ops.INTEGERS or len(x.shape) != len(index.shape) or not x.shape:
-        return None
-    return Node.make("gather", (x, index), {"dim": ops.norm_dim(dim, len(x.shape)) - len(x.shape)})
-
-
 def _conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
     pair = (lambda v: tuple(v) * (2 // len(v)) if isinstance(v, (list, tuple)) else (v, v))
     if isinstance(padding, str) or len(x.shape) != 4:  # padding="same"/"valid", unbatched input: ATen
@@ -347,10 +335,7 @@ CONVERTERS = {
     aten.matmul.default: lambda a, b: Node.make("matmul", (a, b)),
     aten.mm.default: lambda a, b: Node.make("matmul", (a, b)),
     aten.bmm.default: lambda a, b: Node.make("matmul", (a, b)),
-    aten.linear.default: _linear, aten.conv2d.default: _conv2d, aten.embedding.default: _embedding,
-    aten.gather.default: _gather,
-    aten.index_select.default: lambda x, dim, i: _embedding(x, i) if dim % max(len(x.shape), 1) == 0 and len(
-        i.shape) == 1 else None,
+    aten.linear.default: _linear, aten.conv2d.default: _conv2d,
     aten.addmm.default: _addmm, aten.scaled_dot_product_attention.default: _sdpa,
     aten.var_mean.correction: _var_mean, aten.var.correction: lambda *a, **k: (_var_mean(*a, **k) or [None])[0],
     aten.var_mean.dim: lambda x, dim=None, unbiased=True, keepdim=False: _var_mean(x, dim, int(unbiased), keepdim),

@@ -1,12 +1,12 @@
 """Converters for the ops of convolutional networks as torch hands them over: the
-general `convolution` (AOTAutograd's form of conv2d) and its gradients, batch
-norm in inference (per-channel arithmetic, which the rules fuse with the ops
-around it), adaptive average pooling to sizes that divide the input (a reshape
-and a mean; its gradient an expand; 1-d too), max pooling over windows that tile
-the input (a reshape and an amax), and `copy` (a training graph's running
-statistics, written back).  In training, batch norm and its backward are
-decomposed by torch (training.py).
-capture.py reads these with converters.py's table."""
+general `convolution` (AOTAutograd's form of conv2d) and its gradients, conv1d,
+batch norm in inference (per-channel arithmetic, which the rules fuse with the
+ops around it), adaptive average pooling to sizes that divide the input (a
+reshape and a mean; its gradient an expand; 1-d too), max pooling over windows
+that tile the input (a reshape and an amax), and `copy` (a training graph's
+running statistics, written back).  In training, batch norm and its backward
+are decomposed by torch (training.py).  capture.py reads these with
+converters.py's table."""
 from __future__ import annotations
 
 import torch
@@ -33,6 +33,16 @@ def _convolution_backward(grad, x, w, bias_sizes, stride, padding, dilation, tra
     return [Node.make("conv2d_input_grad", (grad, w), {"shape": x.shape} | attrs) if mask[0] else None,
             Node.make("conv2d_weight_grad", (grad, x), {"shape": w.shape} | attrs) if mask[1] else None,
             Node.make("sum", (grad,), {"dims": (-4, -2, -1), "keepdim": False}) if mask[2] else None]
+
+
+def _conv1d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
+    """conv1d as conv2d over a height of 1 (the same library call)."""
+    one = (lambda v: int(v[0]) if isinstance(v, (list, tuple)) else int(v))
+    if isinstance(padding, str) or len(x.shape) != 3 or len(w.shape) != 3:  # ("same"/"valid", unbatched: ATen)
+        return None
+    out = _conv2d(_reshape(x, [x.shape[0], x.shape[1], 1, x.shape[2]]), _reshape(w, [*w.shape[:2], 1, w.shape[2]]),
+                  b, (1, one(stride)), (0, one(padding)), (1, one(dilation)), groups)
+    return _reshape(out, [out.shape[0], out.shape[1], out.shape[3]])
 
 
 def _channels(v: Node, rank: int) -> Node:
@@ -104,7 +114,7 @@ def _copy(x, src, non_blocking=False):
 
 
 CONVNETS = {
-    aten.convolution.default: _convolution,
+    aten.convolution.default: _convolution, aten.conv1d.default: _conv1d,
     aten.convolution_backward.default: _convolution_backward,
     aten._native_batch_norm_legit_no_training.default: _batch_norm_inference,
     aten.adaptive_avg_pool2d.default: _adaptive_avg_pool2d,

@@ -102,3 +102,28 @@ def test_gather_kernels_compile_for_an_h200_without_a_gpu():
     fn, (source, (*index, high)) = GATHERS["of_a_transposed_view"]
     compiled = egc.compile(fn, [torch.randn(source), torch.randint(0, high, tuple(index))], target="triton")
     compile_for_gpu(modules + [(compiled.source, compiled.loop_kernels)])
+
+
+def masked_rows(mask, x, table, rows, cols):
+    """Advanced indexing by integer tensors as transformers builds its masks (`mask[batch, kv]`,
+    broadcast index tensors, a bool source), with negative indices and trailing dims."""
+    b = torch.arange(mask.shape[0])[:, None, None, None]
+    kv = torch.arange(mask.shape[1])[None, None, None, :]
+    return mask[b, kv] & (kv >= 0), x[rows, cols] * 2, table[rows[:, :1] - 5]
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_advanced_indexing_is_a_gather(target):
+    mask = torch.rand(3, 7) > 0.3
+    x, table = torch.randn(4, 5, 6), torch.randn(5, 3, 2)
+    rows, cols = torch.tensor([[0, -1], [3, 2]]), torch.tensor([4, -5])
+    compiled = egc.compile(masked_rows, [mask, x, table, rows, cols], target=target)
+    assert not compiled.plan.fallbacks, compiled.plan.fallbacks
+    assert compiled.plan.count("embedding") == 3
+    for got, want in zip(compiled(mask, x, table, rows, cols), masked_rows(mask, x, table, rows, cols)):
+        torch.testing.assert_close(got, want)
+    rows = torch.tensor([[0, -1], [4, 2]])  # 4 is past x's 4 rows; -5 is before them
+    with pytest.raises(IndexError):
+        compiled(mask, x, table, rows, cols)
+    with pytest.raises(IndexError):
+        masked_rows(mask, x, table, rows, cols)

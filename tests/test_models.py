@@ -20,8 +20,8 @@ def test_transformer_encoder_layer():
 
 def test_model_with_an_unsupported_layer_lists_its_fallback():
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Conv1d(4, 8, 3), torch.nn.GELU(), torch.nn.Flatten(),
-                                torch.nn.Linear(8 * 6, 10), torch.nn.LogSoftmax(-1)).eval()
+    model = torch.nn.Sequential(torch.nn.Conv1d(4, 8, 3, padding="same"), torch.nn.GELU(), torch.nn.Flatten(),
+                                torch.nn.Linear(8 * 8, 10), torch.nn.LogSoftmax(-1)).eval()  # (padding="same")
     x = torch.randn(3, 4, 8)
     with pytest.warns(UserWarning, match="conv1d"):
         compiled = egc.compile(model, [x])
@@ -206,3 +206,34 @@ def test_pooling_over_tiling_windows_is_generated(target):
     with pytest.warns(UserWarning, match="max_pool2d"):
         overlapping = egc.compile(lambda x: F.max_pool2d(x, 3, 2, 1), [x], target=target)
     torch.testing.assert_close(overlapping(x), F.max_pool2d(x, 3, 2, 1), equal_nan=True)
+
+
+def _padded_models():
+    import transformers as tf
+    small = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64, vocab_size=100)
+    return {
+        "llama": lambda: tf.LlamaModel(tf.LlamaConfig(num_key_value_heads=2, **small)),
+        "bert": lambda: tf.BertModel(tf.BertConfig(**small)),
+        "gpt2_eager_attention": lambda: tf.GPT2Model(tf.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=100,
+                                                                   attn_implementation="eager")),
+    }
+
+
+@pytest.mark.parametrize("name", ["llama", "bert", "gpt2_eager_attention"])
+def test_padded_batches_build_their_masks_without_fallback(name):
+    """An attention_mask with padding: transformers builds the 4-d mask by advanced indexing
+    (`mask[batch_idx, kv_idx]`), a gather now; results as eager's, padded rows included."""
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = _padded_models()[name]().eval()
+    ids = torch.randint(0, 100, (2, 12))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, :5] = 0
+    torch._dynamo.reset()
+    egc.last_plans(clear=True)
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        got = torch.compile(model, backend="egraph")(input_ids=ids, attention_mask=mask).last_hidden_state
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    plans = egc.last_plans()
+    assert plans and not any(p.fallbacks for p in plans), [p.fallbacks for p in plans]

@@ -181,6 +181,9 @@ CASES: list[OpCase] = [
     C("conv2d_groups_patchify", "conv2d",  # ViT's patch embedding, then its flatten/transpose
       lambda x, w: F.conv2d(x, w, stride=4, groups=2).flatten(2).transpose(1, 2) * 2,
       lambda: (randn(1, 4, 8, 12), randn(6, 2, 4, 4))),
+    C("conv1d_as_conv2d", "conv2d",  # whisper's audio stem: conv1d is conv2d over a height of 1
+      lambda x, w, b: (F.conv1d(x, w, b, stride=2, padding=1), F.conv1d(x, w[:, :2], dilation=2, groups=2)),
+      lambda: (randn(2, 4, 11), randn(6, 4, 3), randn(6))),
     # the gradients AOTAutograd's backward graphs hold, called as ATen ops (a user's autograd.Function can)
     C("conv2d_input_grad", "conv2d_input_grad",
       lambda g, x, w: torch.ops.aten.convolution_backward(g, x, w, [6], [2, 2], [1, 1], [1, 1], False, [0, 0], 2,

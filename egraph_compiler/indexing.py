@@ -1,0 +1,55 @@
+"""Converters for reads by integer index: embedding lookups, index_select,
+torch.gather, and advanced indexing by integer tensors (`x[i, j]`, as
+transformers builds its attention masks: `mask[batch_idx, kv_idx]`), all onto
+the op table's gathers.  capture.py reads them with converters.py's table."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import ops
+from .converters import _reshape
+from .graph import Node, const
+
+aten = torch.ops.aten
+
+
+def _embedding(weight, ids, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
+    if len(weight.shape) != 2 or ids.dtype not in ops.INTEGERS:  # (padding_idx and the rest: backward only)
+        return None
+    return Node.make("embedding", (weight, ids))
+
+
+def _gather(x, dim, index, sparse_grad=False):
+    if index.dtype not in ops.INTEGERS or len(x.shape) != len(index.shape) or not x.shape:
+        return None
+    return Node.make("gather", (x, index), {"dim": ops.norm_dim(dim, len(x.shape)) - len(x.shape)})
+
+
+def _index(x, indices):
+    """x[i0, i1, ...] with integer tensors for x's first dims: x's rows (those dims flattened) picked
+    by the flat index i0 * (n1 * ...) + i1 * ... (negative indices wrapped, as torch's), an
+    embedding; the index tensors broadcast together.  Bool masks, and indices after a full
+    slice (x[:, i]): ATen."""
+    if (not indices or len(indices) > len(x.shape)
+            or any(i is None or i.dtype not in ops.INTEGERS for i in indices)):
+        return None
+    dims, rest = x.shape[:len(indices)], x.shape[len(indices):]
+    flat = None
+    for k, (i, n) in enumerate(zip(indices, dims)):
+        i = Node.make("where", (Node.make("lt", (i, const(0.0))), Node.make("add", (i, const(float(n)))), i))
+        stride = math.prod(dims[k + 1:])
+        term = i if stride == 1 else Node.make("mul", (i, const(float(stride))))
+        flat = term if flat is None else Node.make("add", (flat, term))
+    picked = Node.make("embedding", (_reshape(x, [math.prod(dims), math.prod(rest)]), flat))
+    return _reshape(picked, list(flat.shape) + list(rest))
+
+
+INDEXING = {
+    aten.embedding.default: _embedding,
+    aten.gather.default: _gather,
+    aten.index_select.default: lambda x, dim, i: _embedding(x, i) if dim % max(len(x.shape), 1) == 0 and len(
+        i.shape) == 1 else None,
+    aten.index.Tensor: _index,
+}
