@@ -264,9 +264,13 @@ def _div(a, b, rounding_mode=None):
 
 
 def _addmm(bias, a, b, beta=1, alpha=1):
-    if beta != 1 or alpha != 1:
-        return None
-    return Node.make("add", (Node.make("matmul", (a, b)), bias))
+    """addmm and baddbmm (BLOOM's alibi scores): beta * bias + alpha * (a @ b); beta 0 ignores the
+    bias (its NaN too, as torch's)."""
+    product = Node.make("matmul", (a, b))
+    product = product if alpha == 1 else Node.make("mul", (product, _t(alpha)))
+    if beta == 0:
+        return product
+    return Node.make("add", (product, bias if beta == 1 else Node.make("mul", (bias, _t(beta)))))
 
 
 def _linear(x, w, b=None):
@@ -336,7 +340,7 @@ CONVERTERS = {
     aten.mm.default: lambda a, b: Node.make("matmul", (a, b)),
     aten.bmm.default: lambda a, b: Node.make("matmul", (a, b)),
     aten.linear.default: _linear, aten.conv2d.default: _conv2d,
-    aten.addmm.default: _addmm, aten.scaled_dot_product_attention.default: _sdpa,
+    aten.addmm.default: _addmm, aten.baddbmm.default: _addmm, aten.scaled_dot_product_attention.default: _sdpa,
     aten.var_mean.correction: _var_mean, aten.var.correction: lambda *a, **k: (_var_mean(*a, **k) or [None])[0],
     aten.var_mean.dim: lambda x, dim=None, unbiased=True, keepdim=False: _var_mean(x, dim, int(unbiased), keepdim),
     aten.var.dim: lambda x, dim=None, unbiased=True, keepdim=False: (_var_mean(x, dim, int(unbiased), keepdim)

@@ -134,6 +134,10 @@ CASES: list[OpCase] = [
     C("matmul_vectors", "matmul", lambda a, v, b, w, c: (a @ v, v @ b, v @ w, c @ v),
       lambda: (randn(3, 4), randn(4), randn(4, 5), randn(4), randn(2, 3, 4))),
     C("matmul_noncontig_t", "matmul", torch.matmul, lambda: (randn(4, 3).t(), randn(5, 4).t())),
+    C("addmm_baddbmm_alpha_beta", "matmul",  # BLOOM's alibi scores: baddbmm(alibi, q, k, beta, alpha)
+      lambda s, a, b, m, q, k: (torch.addmm(m, a, b, beta=0.5, alpha=2.0), torch.baddbmm(s, q, k, alpha=0.25),
+                                torch.baddbmm(s * float("nan"), q, k, beta=0.0)),
+      lambda: (randn(3, 4, 5), randn(4, 6), randn(6, 5), randn(5), randn(3, 4, 2), randn(3, 2, 5))),
     # ---- layout (the results are views in torch: the compiled function must copy them out) ----
     C("transpose", "transpose", lambda x, y: (x.transpose(0, 2), y.t()), lambda: (randn(2, 3, 4), randn(3, 5))),
     C("permute", "permute", lambda x: x.permute(2, 0, 1), lambda: (randn(2, 3, 4),)),
