@@ -3,15 +3,15 @@ general `convolution` (AOTAutograd's form of conv2d) and its gradients, conv1d,
 batch norm in inference (per-channel arithmetic, which the rules fuse with the
 ops around it), adaptive average pooling to sizes that divide the input (a
 reshape and a mean; its gradient an expand; 1-d too), max pooling over windows
-that tile the input (a reshape and an amax), and `copy` (a training graph's
-running statistics, written back).  In training, batch norm and its backward
-are decomposed by torch (training.py).  capture.py reads these with
-converters.py's table."""
+that tile the input (a reshape and an amax), constant padding (a cat of fills),
+and `copy` (a training graph's running statistics, written back).  In training,
+batch norm and its backward are decomposed by torch (training.py).  capture.py
+reads these with converters.py's table."""
 from __future__ import annotations
 
 import torch
 
-from .converters import _cast, _conv2d, _expand, _fill, _reshape
+from .converters import _cast, _cat, _conv2d, _expand, _fill, _reshape, _slice
 from .graph import Node, const
 
 aten = torch.ops.aten
@@ -108,6 +108,25 @@ def _adaptive_avg_pool2d_backward(grad, x):
     return Node.make("div", (_reshape(spread, list(x.shape)), const(float(h // oh * (w // ow)))))
 
 
+def _constant_pad(x, pad, value=None):
+    """F.pad(mode="constant") / constant_pad_nd: `value` (0) concatenated on each side of the last
+    dims, pair by pair from the last; a negative pad slices instead."""
+    if len(pad) % 2 or len(pad) // 2 > len(x.shape):
+        return None
+    out = x
+    for k in range(len(pad) // 2):
+        d, (left, right) = len(x.shape) - 1 - k, pad[2 * k:2 * k + 2]
+        start, end = max(-left, 0), out.shape[d] - max(-right, 0)
+        if end < start:
+            return None
+        if (start, end) != (0, out.shape[d]):
+            out = _slice(out, d, start, end)
+        side = lambda n: _fill(0.0 if value is None else value, [*out.shape[:d], n, *out.shape[d + 1:]], like=out)
+        parts = ([side(left)] if left > 0 else []) + [out] + ([side(right)] if right > 0 else [])
+        out = _cat(parts, d) if len(parts) > 1 else out
+    return out
+
+
 def _copy(x, src, non_blocking=False):
     """copy(x, src): src in x's dtype, broadcast to x's shape (a functional copy_)."""
     return _expand(_cast(src, x.dtype), list(x.shape))
@@ -123,4 +142,7 @@ CONVNETS = {
     aten.adaptive_avg_pool1d.default: _adaptive_avg_pool1d,
     aten.max_pool2d.default: _max_pool2d,
     aten.copy.default: _copy,
+    aten.constant_pad_nd.default: _constant_pad,
+    aten.pad.default: lambda x, pad, mode="constant", value=None: _constant_pad(x, pad, value) if mode == "constant"
+    else None,
 }

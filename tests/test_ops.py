@@ -185,6 +185,10 @@ CASES: list[OpCase] = [
     C("conv2d_groups_patchify", "conv2d",  # ViT's patch embedding, then its flatten/transpose
       lambda x, w: F.conv2d(x, w, stride=4, groups=2).flatten(2).transpose(1, 2) * 2,
       lambda: (randn(1, 4, 8, 12), randn(6, 2, 4, 4))),
+    C("constant_pad", "cat",  # F.pad(mode="constant"): fills concatenated; a negative pad slices
+      lambda x: (F.pad(x, (1, 2)), F.pad(x, (1, 0, 2, 3), value=-1.5) * 2, F.pad(x, (-1, 2, 0, -2)),
+                 F.pad(x.long(), (2, 2))),
+      lambda: (randn(2, 3, 5, 4),)),
     C("conv1d_as_conv2d", "conv2d",  # whisper's audio stem: conv1d is conv2d over a height of 1
       lambda x, w, b: (F.conv1d(x, w, b, stride=2, padding=1), F.conv1d(x, w[:, :2], dilation=2, groups=2)),
       lambda: (randn(2, 4, 11), randn(6, 4, 3), randn(6))),
