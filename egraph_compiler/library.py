@@ -57,6 +57,11 @@ def sdpa(t, a):
     def call(q, k, v):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=a["causal"], scale=a["scale"],
                                               enable_gqa=grouped)
+    if k.shape[-2] == 0:  # no keys: each row's weights are empty and its sum 0 (torch's CPU kernel returns
+        heads = q.shape[-3:-2] if grouped else ()  # q's batch then, not the broadcast one: soak, seed 9323)
+        batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:len(k.shape) - 2 - len(heads)] + heads,
+                                       v.shape[:len(v.shape) - 2 - len(heads)] + heads)
+        return q.new_zeros((*batch, q.shape[-2], v.shape[-1]))
     if not q.is_cuda:
         if not torch.isfinite(q.sum() + k[..., :1, :].sum()):
             # a query row that meets only NaN scores (a NaN or inf in it, or in every key, so in

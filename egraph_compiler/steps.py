@@ -119,9 +119,13 @@ class TorchSteps:
                 reads.append(self.getter(a))
         fn = self._function(node)
         dtype = torch_dtype(node.dtype) if node.dtype != WEAK else None
+        shape = node.shape
 
         def call(env):
             out = fn([read(env) for read in reads])
+            if out.shape != shape:  # (generated kernels would read it as the plan's shape: out of bounds)
+                raise CodegenError(f"{node.op} gave a tensor of shape {list(out.shape)} where the plan has "
+                                   f"{list(shape)} (a bug in egraph_compiler's op table; please report it)")
             return out if dtype is None or out.dtype == dtype else out.to(dtype)
         return call
 

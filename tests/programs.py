@@ -853,10 +853,40 @@ def _gather(c: _Ctx, x: Val):
         idx = (f"({y.name}.abs() % {s[d]})" if y is not None else
                f"(torch.arange({math.prod(s)}, {dev}).reshape({s}) * {c.d.choice([7, 1, 3])} % {s[d]})")
         return c.emit(f"torch.gather({x.name}, {c.d.choice([d, d - x.rank])}, {idx})", x)
+    if x.rank >= 2 and c.d.flag():  # advanced indexing by broadcast integer tensors, negative ones wrapped
+        rows = f"((torch.arange({c.d.integer(1, 4)}, {dev}) * {c.d.choice([5, 1, 2])} + 1) % {s[0]} - {s[0]})"
+        cols = f"((torch.arange({c.d.integer(1, 4)}, {dev}) * 3) % {s[1]})"
+        return c.emit(f"{x.name}[{rows}[:, None], {cols}[None, :]]", x)
     idx = f"((torch.arange({s[0]}, {dev}) * {c.d.choice([5, 1, 2])} + 1) % {s[0]})"
     if form == "embedding":
         return c.emit(f"F.embedding({idx}, {x.name})", x)
     return c.emit(f"torch.index_select({x.name}, 0, {idx})", x)
+
+
+def _spatial(c: _Ctx, x: Val):
+    """Convolutional networks' forms (convnets.py): constant padding (a negative pad crops),
+    repeat, max and adaptive average pooling over windows that tile the last two dims, batch
+    norm with running statistics (eval)."""
+    n, r, s, dev = x.name, x.rank, tuple(x.shape), f"device={x.name}.device"
+    if r == 0 or 0 in s:
+        return _nothing(c, x)
+    form = c.d.choice(["pad", "repeat", "pool", "batch_norm"])
+    if form == "pad":
+        pads = [c.d.integer(-1 if s[r - 1 - k // 2] > 1 else 0, 2) for k in range(2 * min(r, 2))]
+        return c.emit(f"F.pad({n}, {tuple(pads)}, value={c.d.choice([0.0, -1.5])})", x)
+    if form == "repeat":
+        reps = [c.d.choice([1, 2]) for _ in range(r + c.d.integer(0, 1))]
+        return c.emit(f"{n}.repeat({', '.join(map(str, reps))})", x)
+    if form == "pool" and r in (3, 4):
+        h, w = (c.d.choice([k for k in (1, 2, 3) if dim % k == 0]) for dim in s[-2:])
+        if c.d.flag():
+            return c.emit(f"F.max_pool2d({n}, ({h}, {w}))", x)
+        return c.emit(f"F.adaptive_avg_pool2d({n}, ({s[-2] // h}, {s[-1] // w}))", x)
+    if form == "batch_norm" and r >= 2:
+        stats = ", ".join(f"torch.linspace({lo}, {hi}, {s[1]}, {dev}, dtype={n}.dtype)"
+                          for lo, hi in ((-1, 1), (0.5, 2), (0.5, 1.5)))
+        return c.emit(f"F.batch_norm({n}, {stats}, None, False, 0.1, 1e-5)", x)
+    return c.emit(f"{n}.repeat({', '.join(['2'] + ['1'] * (r - 1))})", x)
 
 
 def _nothing(c: _Ctx, x: Val):
@@ -865,7 +895,7 @@ def _nothing(c: _Ctx, x: Val):
 
 KINDS = {
     "float": [_nothing] + [_unary] * 4 + [_binary] * 4 + [_view] * 4 + [_reduce] * 3 + [_row] * 2 + [_library] * 2
-    + [_compare, _where, _mask_mul, _cast, _aten, _constant, _gather] + [_rule] * 4,
+    + [_compare, _where, _mask_mul, _cast, _aten, _constant, _gather, _spatial] + [_rule] * 4,
     "int": [_nothing] + [_int_arith] * 4 + [_view, _view, _reduce, _reduce, _compare, _compare, _where, _mask_mul]
     + [_cast] * 2 + [_constant, _gather],
     "bool": [_nothing, _cast, _cast, _view, _reduce, _where, _where, _compare, _constant, _gather],

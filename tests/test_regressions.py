@@ -735,3 +735,19 @@ def test_one_tensor_passed_as_two_examples_stays_two_inputs():
     compiled = egc.compile(lambda a, b: a * 2 + b, [base[:8], base[8:]])
     a, b = torch.randn(8), torch.randn(8)
     torch.testing.assert_close(compiled(a, b), a * 2 + b)
+
+
+def test_attention_over_no_keys_broadcasts_its_batch():
+    """softmax(q k^T) v over zero keys, q's batch broadcast against k's (soak, seed 9323): the rules
+    make it one sdpa, and torch's CPU sdpa returns q's batch, not the broadcast one, for empty keys;
+    the next kernel read the plan's larger shape out of bounds (garbage up to 1e31).  Now zeros of
+    the broadcast shape; and a library call whose result has another shape than the plan's raises."""
+    def fn(q, x):
+        return (torch.softmax((q * 0.5) @ x.transpose(-2, -1), dim=-1) @ x).clamp(min=-1.5).amax((1, -1))
+    q, x = torch.randn(1, 1, 16), torch.randn(3, 0, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (clamp: ATen)
+        compiled = egc.compile(fn, [q, x])
+    assert compiled.plan.count("sdpa") == 1, compiled.plan
+    for _ in range(3):
+        same(compiled, fn, q, x)
