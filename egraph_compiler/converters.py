@@ -280,8 +280,13 @@ def _linear(x, w, b=None):
     return Node.make("linear", (x, w, b if b is not None else const(0.0)))
 
 
+def _pair(v) -> tuple:
+    """A 2-d argument as torch takes it: one number, or a list of one or two."""
+    return tuple(v) * (2 // len(v)) if isinstance(v, (list, tuple)) else (v, v)
+
+
 def _conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
-    pair = (lambda v: tuple(v) * (2 // len(v)) if isinstance(v, (list, tuple)) else (v, v))
+    pair = _pair
     if isinstance(padding, str) or len(x.shape) != 4:  # padding="same"/"valid", unbatched input: ATen
         return None
     return Node.make("conv2d", (x, w, b if b is not None else const(0.0)),

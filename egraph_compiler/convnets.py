@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .converters import _cast, _cat, _conv2d, _expand, _fill, _reshape, _slice
+from .converters import _cast, _cat, _conv2d, _expand, _fill, _pair, _reshape, _slice
 from .graph import Node, const
 
 aten = torch.ops.aten
@@ -88,7 +88,7 @@ def _adaptive_avg_pool1d(x, output_size):
 def _max_pool2d(x, kernel, stride=(), padding=0, dilation=1, ceil_mode=False):
     """Max pooling over windows that tile the input (stride = kernel, no padding or dilation,
     sizes that divide): a reshape and an amax (overlapping or padded windows: ATen)."""
-    pair = (lambda v: tuple(v) * (2 // len(v)) if isinstance(v, (list, tuple)) else (v, v))
+    pair = _pair
     kernel, stride = pair(kernel), pair(stride) if stride not in ((), []) else pair(kernel)
     if (len(x.shape) not in (3, 4) or kernel != stride or any(pair(padding)) or pair(dilation) != (1, 1)
             or any(n % k for n, k in zip(x.shape[-2:], kernel))):
