@@ -76,6 +76,8 @@ def capture(fn, example_inputs) -> tuple[Graph, str]:
     user_names = _parameter_names(fn, len(example_inputs))
     placeholder_names: dict[str, str] = {}
     user_index = 0
+    device = next((t.device for t in [*example_inputs, *program.state_dict.values()] if isinstance(t, torch.Tensor)),
+                  None)
     for fx_node in gm.graph.nodes:
         if fx_node.op == "placeholder":
             val = fx_node.meta["val"]
@@ -85,7 +87,7 @@ def capture(fn, example_inputs) -> tuple[Graph, str]:
             if spec.kind.name == "USER_INPUT":
                 user_index += 1
             else:
-                bound[name] = _bound(module, program, spec.target)
+                bound[name] = _bound(module, program, spec.target, device)
             inputs.append(node)
             env[fx_node.name] = node
             placeholder_names[fx_node.name] = name
@@ -100,10 +102,11 @@ def capture(fn, example_inputs) -> tuple[Graph, str]:
     return graph, gm.code.strip()
 
 
-def _bound(module: torch.nn.Module, program, target: str) -> Bound:
+def _bound(module: torch.nn.Module, program, target: str, device) -> Bound:
     """Where a parameter or buffer input comes from: read from the module at
     call time when its attribute path leads to the captured tensor, else the
-    captured constant."""
+    captured constant, on the device the program runs on (a model on the GPU
+    may make `torch.tensor(4)` on the CPU: eager mixes the two, our kernels do not)."""
     value = program.state_dict[target] if target in program.state_dict else program.constants[target]
     live = Bound(module, target)
     try:
@@ -111,6 +114,8 @@ def _bound(module: torch.nn.Module, program, target: str) -> Bound:
             return live
     except AttributeError:
         pass
+    if isinstance(value, torch.Tensor) and device is not None:
+        value = value.to(device)
     return Bound(None, target, value)
 
 

@@ -188,9 +188,9 @@ def _rms_norm(x, shape, w=None, eps=None):
 def _softmax(op, internal=False):
     """softmax.int(x, dim, dtype=None) or _softmax(x, dim, half_to_float)."""
     def convert(x, dim, third=None, dtype=None):
-        dtype = dtype if internal else (third if third is not None else dtype)
-        if (internal and third) or (dtype is not None and str(dtype).removeprefix("torch.") != x.dtype):
-            return None
+        dtype = ("float32" if third else None) if internal else (third if third is not None else dtype)
+        if dtype is not None:  # computed in dtype (BLOOM's float32 softmax of bf16 scores): a cast first
+            x = _cast(x, dtype)
         if not x.shape:  # a 0-d tensor: torch treats it as one row of one element
             row = Node.make(op, (Node.make("reshape", (x,), {"shape": (1,)}),), {"dim": -1})
             return Node.make("reshape", (row,), {"shape": ()})

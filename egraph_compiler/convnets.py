@@ -3,7 +3,8 @@ general `convolution` (AOTAutograd's form of conv2d) and its gradients, conv1d,
 batch norm in inference (per-channel arithmetic, which the rules fuse with the
 ops around it), adaptive average pooling to sizes that divide the input (a
 reshape and a mean; its gradient an expand; 1-d too), max pooling over windows
-that tile the input (a reshape and an amax), constant padding (a cat of fills),
+that tile the input (a reshape and an amax; other windows the library's
+max_pool2d), constant padding (a cat of fills),
 and `copy` (a training graph's running statistics, written back).  In training,
 batch norm and its backward are decomposed by torch (training.py).  capture.py
 reads these with converters.py's table."""
@@ -87,12 +88,16 @@ def _adaptive_avg_pool1d(x, output_size):
 
 def _max_pool2d(x, kernel, stride=(), padding=0, dilation=1, ceil_mode=False):
     """Max pooling over windows that tile the input (stride = kernel, no padding or dilation,
-    sizes that divide): a reshape and an amax (overlapping or padded windows: ATen)."""
+    sizes that divide): a reshape and an amax; other windows (ResNet's overlapping 3x3 / 2,
+    padded): the library's max_pool2d."""
     pair = _pair
     kernel, stride = pair(kernel), pair(stride) if stride not in ((), []) else pair(kernel)
-    if (len(x.shape) not in (3, 4) or kernel != stride or any(pair(padding)) or pair(dilation) != (1, 1)
-            or any(n % k for n, k in zip(x.shape[-2:], kernel))):
+    if len(x.shape) not in (3, 4) or not x.dtype.startswith(("float", "bfloat")):
         return None
+    if (kernel != stride or any(pair(padding)) or pair(dilation) != (1, 1) or ceil_mode
+            or any(n % k for n, k in zip(x.shape[-2:], kernel))):
+        return Node.make("max_pool2d", (x,), {"kernel": kernel, "stride": stride, "padding": pair(padding),
+                                              "dilation": pair(dilation), "ceil": bool(ceil_mode)})
     (h, w), (kh, kw) = x.shape[-2:], kernel
     windows = _reshape(x, [*x.shape[:-2], h // kh, kh, w // kw, kw])
     return Node.make("amax", (windows,), {"dims": (-3, -1), "keepdim": False})

@@ -35,7 +35,7 @@ class DeviceProfile:
     attention_launch: float = 0.0
 
 
-ATTENTION = frozenset({"sdpa", "sdpa_mask"})
+ATTENTION = frozenset({"sdpa", "sdpa_mask", "softmax_attention"})
 
 
 def launch_cost(profile: DeviceProfile, library: bool, op: str = "") -> float:
@@ -156,7 +156,7 @@ def _table_flops(op: str, out_shape, in_shapes) -> float:
         return 2.0 * math.prod(in_shapes[0]) * math.prod(out_shape[1:])
     if op == "embedding_grad":  # the zero fill, and one add per gradient element
         return math.prod(out_shape) + math.prod(in_shapes[0])
-    if op in ("sdpa", "sdpa_mask"):
+    if op in ATTENTION:
         q, k = in_shapes[0], in_shapes[1]
         return 4.0 * math.prod(q[:-1]) * k[-2] * q[-1]
     if opdef.group == "reduction":

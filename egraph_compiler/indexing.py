@@ -1,7 +1,8 @@
 """Converters for reads by integer index: embedding lookups, index_select,
 torch.gather, and advanced indexing by integer tensors (`x[i, j]`, as
 transformers builds its attention masks: `mask[batch_idx, kv_idx]`), all onto
-the op table's gathers.  capture.py reads them with converters.py's table."""
+the op table's gathers; and the running sum that makes position ids from a
+padding mask.  capture.py reads them with converters.py's table."""
 from __future__ import annotations
 
 import math
@@ -46,7 +47,19 @@ def _index(x, indices):
     return _reshape(picked, list(flat.shape) + list(rest))
 
 
+def _cumsum(x, dim, dtype=None):
+    """torch.cumsum: in `dtype` if given, else integers and bools summed in int64 (as torch's)."""
+    if not x.shape:
+        return None
+    target = str(dtype).removeprefix("torch.") if dtype is not None else (
+        "int64" if x.dtype.startswith(("int", "uint", "bool")) else x.dtype)
+    if target != x.dtype:
+        x = Node.make("cast", (x,), {"dtype": target})
+    return Node.make("cumsum", (x,), {"dim": ops.norm_dim(dim, len(x.shape)) - len(x.shape)})
+
+
 INDEXING = {
+    aten.cumsum.default: _cumsum,
     aten.embedding.default: _embedding,
     aten.gather.default: _gather,
     aten.index_select.default: lambda x, dim, i: _embedding(x, i) if dim % max(len(x.shape), 1) == 0 and len(

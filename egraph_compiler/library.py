@@ -25,6 +25,10 @@ def conv2d(t, a):
         (b if b.dim() == 0 else 0)
 
 
+def max_pool2d(t, a):
+    return F.max_pool2d(t[0], a["kernel"], a["stride"], a["padding"], a["dilation"], a["ceil"])
+
+
 def conv2d_input_grad(t, a):
     """conv2d's gradient with respect to its input (of shape `shape`), from the output's gradient."""
     grad, w = t
@@ -76,6 +80,21 @@ def sdpa(t, a):
     if grouped and mask is not None and not a["causal"] and q.dim() == 4:
         return grouped_queries(q, k, v, query_group_mask(mask, q.shape[-3] // k.shape[-3], q.shape[-2]), a["scale"])
     return on_cuda(call, q, k, v)
+
+
+def softmax_attention(t, a):
+    """`softmax(q k^T * s + m) v` as written (the rules' form of an additive mask): as sdpa,
+    but a row whose mask removes every key (all -inf) is NaN, softmax's answer, where torch's
+    sdpa kernels give 0 (all of them, on CPU and CUDA: measured, torch 2.11 and 2.13)."""
+    return masked_rows_nan(t[3], t[1].shape[-2], sdpa(t, a))
+
+
+def masked_rows_nan(mask, keys: int, out):
+    if keys == 0:  # no keys: the matmul over them is 0 in the primitive form too
+        return out
+    if mask.dim() < 2:
+        mask = mask.expand(1, keys)
+    return torch.where(mask.amax(-1, keepdim=True) == float("-inf"), float("nan"), out)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -136,7 +155,12 @@ def fused_kernel_mask(mask, keys: int, dtype):
     mask on cuDNN gives garbage for a fully masked row, where the math kernel
     gives 0.  So: keys materialised (last stride 1), booleans as an additive
     0 / -inf mask in q's dtype, with which the fused kernels give 0 for such a
-    row, as the math kernel does."""
+    row, as the math kernel does.  And a finite mask value below half the
+    dtype's lowest (transformers' masks use `finfo.min`) overflows to -inf in
+    the fused kernels' exp2 scaling, so a row masked with finfo.min everywhere
+    came out 0 where softmax (and the math kernel, and the CPU) gives the mean
+    of v: such values are raised to half the lowest, which leaves every softmax
+    of finite scores as it was."""
     if mask.dim() < 2:  # (a scalar or per-key mask, as in `sdpa`)
         mask = mask.expand(1, keys)
     if mask.shape[-1] != keys or mask.stride(-1) != 1:
@@ -147,6 +171,9 @@ def fused_kernel_mask(mask, keys: int, dtype):
             _MASK_VALUES[key] = (torch.zeros((), dtype=dtype, device=mask.device),
                                  torch.full((), float("-inf"), dtype=dtype, device=mask.device))
         mask = torch.where(mask, *_MASK_VALUES[key])  # one kernel
+    elif mask.is_floating_point():
+        low = torch.finfo(mask.dtype).min / 2
+        mask = torch.where((mask < low) & (mask != float("-inf")), low, mask)
     return mask
 
 

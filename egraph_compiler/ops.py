@@ -182,6 +182,23 @@ def conv2d_shape(shapes, a):
     return (x[0], w[0], *out)
 
 
+def max_pool2d_shape(shapes, a):
+    (x,) = shapes
+    if len(x) not in (3, 4):
+        raise ShapeError(f"max_pool2d: input {list(x)} is not [N,] C, H, W")
+    out = []
+    for n, k, s, p, d in zip(x[-2:], a["kernel"], a["stride"], a["padding"], a["dilation"]):
+        span = n + 2 * p - d * (k - 1) - 1
+        size = -(-span // s) + 1 if a["ceil"] else span // s + 1
+        if a["ceil"] and (size - 1) * s >= n + p:  # torch's: the last window starts inside the input
+            size -= 1
+        if size < 1 or 2 * p > k:
+            raise ShapeError(f"max_pool2d: kernel {list(a['kernel'])}, padding {list(a['padding'])} do not fit "
+                             f"the input {list(x[-2:])}")
+        out.append(size)
+    return (*x[:-2], *out)
+
+
 def conv2d_grad_shape(wrt: str):
     """The shape of conv2d's gradient with respect to `wrt` ("input" or "weight"): the attribute
     `shape`, checked against the output gradient's (operand 0) and the other operand's."""
@@ -311,8 +328,15 @@ _op("conv2d_weight_grad", "library", 2, [("shape", "ints")] + _CONV, conv2d_grad
     library.conv2d_weight_grad, "first")
 _op("embedding_grad", "library", 2, [("rows", "int"), ("padding_idx", "int"), ("scale", "bool")],
     embedding_grad_shape, 1, library.embedding_grad, "first")
+# overlapping or padded max pooling (windows that tile the input are a reshape and an amax), and
+# a running sum (transformers' position ids from the padding mask)
+_op("max_pool2d", "library", 1, [("kernel", "ints"), ("stride", "ints"), ("padding", "ints"), ("dilation", "ints"),
+                                 ("ceil", "bool")], max_pool2d_shape, 1, library.max_pool2d, "first")
+_op("cumsum", "library", 1, [("dim", "int")], same_shape, 1, lambda t, a: torch.cumsum(t[0], a["dim"]), "first")
 _op("sdpa", "library", 3, [("scale", "float"), ("causal", "bool")], sdpa_shape, 4, library.sdpa)
 _op("sdpa_mask", "library", 4, [("scale", "float"), ("causal", "bool")], sdpa_shape, 4, library.sdpa)
+_op("softmax_attention", "library", 4, [("scale", "float"), ("causal", "bool")], sdpa_shape, 4,
+    library.softmax_attention)
 # functional collectives (torch.distributed._functional_collectives as Dynamo captures them): each
 # returns a tensor that `wait_tensor` must wait for before it is read; `group` names the process group
 _c10d = getattr(torch.ops, "_c10d_functional", None)

@@ -137,7 +137,7 @@ class TorchSteps:
             linear = torch.nn.functional.linear  # no bias: a scalar 0 bias would cost an extra kernel
             return lambda args: linear(args[0], args[1])
         reference, attrs = ops.get(node.op).reference, node.a
-        if node.op == "sdpa_mask" and self.device == "cuda":
+        if node.op in ("sdpa_mask", "softmax_attention") and self.device == "cuda":
             return lambda args: self._masked_attention(node, args, reference)
         return lambda args: reference(args, attrs)
 
@@ -153,7 +153,8 @@ class TorchSteps:
             key = key + (groups, q.shape[-2])
             if key not in self.memo:
                 self.memo[key] = library.query_group_mask(mask, groups, q.shape[-2])
-            return library.grouped_queries(q, k, v, self.memo[key], node.attr("scale"))
+            out = library.grouped_queries(q, k, v, self.memo[key], node.attr("scale"))
+            return library.masked_rows_nan(mask, k.shape[-2], out) if node.op == "softmax_attention" else out
         return reference(args, node.a)
 
 

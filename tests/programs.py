@@ -879,6 +879,11 @@ def _spatial(c: _Ctx, x: Val):
         return c.emit(f"{n}.repeat({', '.join(map(str, reps))})", x)
     if form == "pool" and r in (3, 4):
         h, w = (c.d.choice([k for k in (1, 2, 3) if dim % k == 0]) for dim in s[-2:])
+        if c.d.flag() and min(s[-2:]) >= 2 and c.d.flag():  # overlapping, padded (ResNet's 3x3 / 2 / 1)
+            k = [c.d.integer(1, min(3, dim)) for dim in s[-2:]]
+            pad = tuple(c.d.integer(0, kk // 2) for kk in k)
+            return c.emit(f"F.max_pool2d({n}, {tuple(k)}, stride={(c.d.integer(1, 2), c.d.integer(1, 2))}, "
+                          f"padding={pad}, ceil_mode={c.d.flag()})", x)
         if c.d.flag():
             return c.emit(f"F.max_pool2d({n}, ({h}, {w}))", x)
         return c.emit(f"F.adaptive_avg_pool2d({n}, ({s[-2] // h}, {s[-1] // w}))", x)

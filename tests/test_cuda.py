@@ -262,3 +262,39 @@ def test_direct_launches_skip_triton_binding_and_respecialise_on_alignment(monke
     for _ in range(3):
         torch.testing.assert_close(compiled(shifted, y), fn(shifted, y))
     assert len(calls) > first  # the new specialisation went through Triton
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_masked_with_the_lowest_float_are_the_mean_of_v(dtype):
+    """transformers' eager attention masks with finfo.min: a padded query row, masked everywhere,
+    is the mean of v in softmax (and in torch's math kernel), but torch's fused CUDA kernels scale
+    finfo.min past -inf and gave 0 (GPT-2's padded rows were off by 0.3 on the H200).  Written
+    with primitives, and with grouped K/V heads; a row masked with -inf is softmax's NaN."""
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 16, 64, device="cuda", dtype=dtype)
+    k, v = (torch.randn(2, 2, 16, 64, device="cuda", dtype=dtype) for _ in range(2))
+    m = torch.zeros(2, 1, 16, 16, device="cuda", dtype=dtype)
+    m[1, :, :4] = torch.finfo(dtype).min  # rows 0-3 of batch 1 masked everywhere
+    m[1, :, 4:, :2] = torch.finfo(dtype).min
+    m[0, :, 5] = float("-inf")
+
+    def written(q, k, v, m):
+        k, v = (x[:, :, None].expand(2, 2, 2, 16, 64).reshape(2, 4, 16, 64) for x in (k, v))
+        return torch.softmax(q @ k.transpose(-1, -2) / 8 + m, -1) @ v
+    compiled = egc.compile(written, [q, k, v, m])
+    assert [k.output.op for k in compiled.plan.kernels if k.kind == "library"] == ["softmax_attention"]
+    want = written(*(t.double() for t in (q, k, v, m)))
+    torch.testing.assert_close(compiled(q, k, v, m).double(), want, atol=2e-2, rtol=2e-2, equal_nan=True)
+
+
+def test_a_cpu_scalar_made_in_forward_follows_the_inputs_to_the_gpu():
+    """Mistral's sliding-window mask makes `torch.tensor(...)` scalars on the CPU inside forward;
+    export lifts them as constants, which reached the CUDA program as CPU arguments (an
+    InputError where eager mixes a CPU scalar with CUDA tensors)."""
+    class Model(torch.nn.Module):
+        def forward(self, x):
+            return x * torch.tensor(3.0) + torch.tensor(1.0) + torch.zeros(0).sum()
+    model, x = Model(), torch.randn(4, 8, device="cuda")
+    torch._dynamo.reset()
+    for compiled in (egc.compile(model, [x]), torch.compile(model, backend="egraph")):
+        torch.testing.assert_close(compiled(x), model(x))

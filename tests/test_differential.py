@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, event, given, settings
 from programs import (MODES, ChoiceDrawer, Outcome, build, check, check_fn, compare_results, describe, eager_runs,
                       failure_message, generate, noisy_runs, programs, reference)
 
-EXAMPLES = int(os.environ.get("EGC_FUZZ_EXAMPLES", "200"))
+EXAMPLES = int(os.environ.get("EGC_FUZZ_EXAMPLES", "160"))
 SMALL = max(EXAMPLES // 8, 1)
 
 
@@ -140,7 +140,7 @@ def test_checker_runs_hand_written_programs():
     assert isinstance(check_fn(lambda x: x.sum(0), [torch.randn(3, 8)]), Outcome)
 
 
-@fuzz_settings(max(SMALL // 6, 2))
+@fuzz_settings(max(SMALL // 10, 2))
 @given(programs("deep"))
 def test_random_programs_of_model_size(program):
     """600-1,000 steps: graphs of several hundred nodes, as a real model's."""

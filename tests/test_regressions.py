@@ -417,6 +417,30 @@ def test_extraction_breaks_cycles_between_classes_choices():
     same(egc.compile(fn, [x0, x1]), fn, x0, x1, rtol=1e-4)
 
 
+@pytest.mark.parametrize("fill", [float("-inf"), torch.finfo(torch.float32).min])
+def test_attention_row_masked_entirely_is_what_softmax_makes_it(fill):
+    """softmax(q k^T s + m) v with a row of m all -inf is NaN; torch's sdpa (every kernel) gives 0
+    there, and the recomposition gave 0 (found on the H200 through GPT-2's eager attention, whose
+    finfo.min rows the fused CUDA kernels also turned to 0).  A finfo.min row is the mean of v.
+    Through F.scaled_dot_product_attention itself such a row stays 0, as eager's."""
+    q, k, v = (torch.randn(1, 2, 4, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    m = torch.zeros(1, 1, 4, 4)
+    m[..., 1, :] = fill
+    m[..., 2, 1:] = fill
+
+    def written(q, k, v, m):
+        return torch.softmax(q @ k.transpose(-1, -2) / 8 ** 0.5 + m, -1) @ v
+
+    def library(q, k, v, m):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=m)
+    for fn, op in [(written, "softmax_attention"), (library, "sdpa_mask")]:
+        compiled = egc.compile(fn, [q, k, v, m])
+        assert compiled.plan.ops() == {op: 1}, compiled.plan
+        got, want = compiled(q, k, v, m), fn(q, k, v, m)
+        assert want[0, :, 1].isnan().all() == (fill == float("-inf") and fn is written)
+        torch.testing.assert_close(got, want, equal_nan=True)
+
+
 @pytest.mark.parametrize("mask_shape, recomposed", [((2, 2, 8, 8), True), ((1, 3, 8, 8), True),
                                                     ((1, 3, 1, 8), False), ((8,), False)])
 def test_attention_mask_with_more_batch_than_q(mask_shape, recomposed):
@@ -428,7 +452,7 @@ def test_attention_mask_with_more_batch_than_q(mask_shape, recomposed):
     compiled = egc.compile(fn, [q, m])
     same(compiled, fn, q, m)
     # the rule asks for a mask of full rows (size(m, -2) == size(q, -2)); a row-broadcast one stays primitive
-    assert ("sdpa_mask" in str(compiled.plan)) == recomposed
+    assert ("softmax_attention" in str(compiled.plan)) == recomposed
 
 
 @pytest.mark.parametrize("view", ["reshape", "transpose_reshape"])

@@ -35,7 +35,7 @@ def rank_of(term):
     if term.op in ("reshape", "expand"):
         shape = attrs["shape"]
         return ("const", len(shape.value)) if isinstance(shape, Lit) else None
-    if term.op in ("transpose", "permute", "slice", "repeat_interleave", "linear", "inline", "sdpa", "sdpa_mask") or group == "row":
+    if term.op in ("transpose", "permute", "slice", "repeat_interleave", "linear", "inline", "sdpa", "sdpa_mask", "softmax_attention") or group == "row":
         return rank_of(tensors[0])
     return None
 
