@@ -78,6 +78,20 @@ def _adaptive_avg_pool2d(x, output_size):
     return Node.make("mean", (windows,), {"dims": (-3, -1), "keepdim": False})
 
 
+def _max_pool2d_with_indices(x, *args):
+    """Training's form: the values and, as a second library call, their positions (int64)."""
+    if len(x.shape) not in (3, 4) or not x.dtype.startswith(("float", "bfloat")):
+        return None
+    a = _pool_attrs(x, *args)
+    return [Node.make("max_pool2d", (x,), a), Node.make("max_pool2d_indices", (x,), a | {"dtype": "int64"})]
+
+
+def _max_pool2d_backward(grad, x, kernel, stride, padding, dilation, ceil_mode, indices):
+    if len(x.shape) not in (3, 4) or not x.dtype.startswith(("float", "bfloat")):
+        return None
+    return Node.make("max_pool2d_grad", (grad, x, indices), _pool_attrs(x, kernel, stride, padding, dilation, ceil_mode))
+
+
 def _adaptive_avg_pool1d(x, output_size):
     (size,) = output_size
     if len(x.shape) not in (2, 3) or size <= 0 or x.shape[-1] % size:
@@ -86,18 +100,23 @@ def _adaptive_avg_pool1d(x, output_size):
     return Node.make("mean", (windows,), {"dims": (-1,), "keepdim": False})
 
 
-def _max_pool2d(x, kernel, stride=(), padding=0, dilation=1, ceil_mode=False):
+def _pool_attrs(x, kernel, stride=(), padding=0, dilation=1, ceil_mode=False):
+    kernel = _pair(kernel)
+    return {"kernel": kernel, "stride": _pair(stride) if stride not in ((), []) else kernel,
+            "padding": _pair(padding), "dilation": _pair(dilation), "ceil": bool(ceil_mode)}
+
+
+def _max_pool2d(x, *args):
     """Max pooling over windows that tile the input (stride = kernel, no padding or dilation,
     sizes that divide): a reshape and an amax; other windows (ResNet's overlapping 3x3 / 2,
     padded): the library's max_pool2d."""
-    pair = _pair
-    kernel, stride = pair(kernel), pair(stride) if stride not in ((), []) else pair(kernel)
     if len(x.shape) not in (3, 4) or not x.dtype.startswith(("float", "bfloat")):
         return None
-    if (kernel != stride or any(pair(padding)) or pair(dilation) != (1, 1) or ceil_mode
+    a = _pool_attrs(x, *args)
+    kernel = a["kernel"]
+    if (kernel != a["stride"] or any(a["padding"]) or a["dilation"] != (1, 1) or a["ceil"]
             or any(n % k for n, k in zip(x.shape[-2:], kernel))):
-        return Node.make("max_pool2d", (x,), {"kernel": kernel, "stride": stride, "padding": pair(padding),
-                                              "dilation": pair(dilation), "ceil": bool(ceil_mode)})
+        return Node.make("max_pool2d", (x,), a)
     (h, w), (kh, kw) = x.shape[-2:], kernel
     windows = _reshape(x, [*x.shape[:-2], h // kh, kh, w // kw, kw])
     return Node.make("amax", (windows,), {"dims": (-3, -1), "keepdim": False})
@@ -146,6 +165,8 @@ CONVNETS = {
     aten._adaptive_avg_pool2d_backward.default: _adaptive_avg_pool2d_backward,
     aten.adaptive_avg_pool1d.default: _adaptive_avg_pool1d,
     aten.max_pool2d.default: _max_pool2d,
+    aten.max_pool2d_with_indices.default: _max_pool2d_with_indices,
+    aten.max_pool2d_with_indices_backward.default: _max_pool2d_backward,
     aten.copy.default: _copy,
     aten.constant_pad_nd.default: _constant_pad,
     aten.pad.default: lambda x, pad, mode="constant", value=None: _constant_pad(x, pad, value) if mode == "constant"

@@ -29,6 +29,16 @@ def max_pool2d(t, a):
     return F.max_pool2d(t[0], a["kernel"], a["stride"], a["padding"], a["dilation"], a["ceil"])
 
 
+def max_pool2d_indices(t, a):
+    return F.max_pool2d(t[0], a["kernel"], a["stride"], a["padding"], a["dilation"], a["ceil"], return_indices=True)[1]
+
+
+def max_pool2d_grad(t, a):
+    grad, x, indices = t
+    return torch.ops.aten.max_pool2d_with_indices_backward(grad, x, a["kernel"], a["stride"], a["padding"],
+                                                           a["dilation"], a["ceil"], indices)
+
+
 def conv2d_input_grad(t, a):
     """conv2d's gradient with respect to its input (of shape `shape`), from the output's gradient."""
     grad, w = t

@@ -330,8 +330,13 @@ _op("embedding_grad", "library", 2, [("rows", "int"), ("padding_idx", "int"), ("
     embedding_grad_shape, 1, library.embedding_grad, "first")
 # overlapping or padded max pooling (windows that tile the input are a reshape and an amax), and
 # a running sum (transformers' position ids from the padding mask)
-_op("max_pool2d", "library", 1, [("kernel", "ints"), ("stride", "ints"), ("padding", "ints"), ("dilation", "ints"),
-                                 ("ceil", "bool")], max_pool2d_shape, 1, library.max_pool2d, "first")
+_POOL = [("kernel", "ints"), ("stride", "ints"), ("padding", "ints"), ("dilation", "ints"), ("ceil", "bool")]
+_op("max_pool2d", "library", 1, _POOL, max_pool2d_shape, 1, library.max_pool2d, "first")
+# training's max_pool2d_with_indices: the values (above) and, apart, where each came from (flat
+# positions in its plane, dtype int64); the gradient sends each output's gradient to that position
+_op("max_pool2d_indices", "library", 1, _POOL + [("dtype", "str")], max_pool2d_shape, 1,
+    library.max_pool2d_indices, "attr")
+_op("max_pool2d_grad", "library", 3, _POOL, lambda shapes, a: tuple(shapes[1]), 1, library.max_pool2d_grad, "first")
 _op("cumsum", "library", 1, [("dim", "int")], same_shape, 1, lambda t, a: torch.cumsum(t[0], a["dim"]), "first")
 _op("sdpa", "library", 3, [("scale", "float"), ("causal", "bool")], sdpa_shape, 4, library.sdpa)
 _op("sdpa_mask", "library", 4, [("scale", "float"), ("causal", "bool")], sdpa_shape, 4, library.sdpa)

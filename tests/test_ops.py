@@ -188,6 +188,14 @@ CASES: list[OpCase] = [
     C("max_pool2d_overlapping_padded_ceil", "max_pool2d",  # ResNet's stem: 3x3, stride 2, padding 1
       lambda x: (F.max_pool2d(x, 3, 2, 1), F.max_pool2d(x * 2, (2, 3), (2, 1), ceil_mode=True),
                  F.max_pool2d(x, 2, dilation=2)), lambda: (randn(2, 3, 9, 8),)),
+    C("max_pool2d_with_indices_as_training_has_it", "max_pool2d_indices",
+      lambda x: torch.ops.aten.max_pool2d_with_indices(x, [3, 2], [2, 2], [1, 1], [1, 1], True),
+      lambda: (randn(2, 3, 7, 6),)),
+    C("max_pool2d_backward_to_the_maxima", "max_pool2d_grad",
+      lambda g, x: torch.ops.aten.max_pool2d_with_indices_backward(
+          g, x, [3, 3], [2, 2], [1, 1], [1, 1], False,
+          torch.ops.aten.max_pool2d_with_indices(x, [3, 3], [2, 2], [1, 1])[1]),
+      lambda: (randn(2, 3, 4, 3), randn(2, 3, 7, 6))),
     C("cumsum_position_ids_and_float", "cumsum",  # RoBERTa's and OPT's position ids from the padding mask
       lambda m, x: ((torch.cumsum(m, dim=1) * m).long() + 1, torch.cumsum(x, 0), torch.cumsum(m, -1, dtype=torch.float32),
                     torch.cumsum(m > 0, -1)),

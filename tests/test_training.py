@@ -194,6 +194,27 @@ def test_convnet_with_batch_norm_trains_like_eager():
     assert len(plans) >= 2 and not any(p.fallbacks for p in plans), [p.fallbacks for p in plans]
 
 
+def test_max_pooling_trains_like_eager():
+    """ResNet's overlapping, padded 3x3 / 2 pooling and a tiling 2x2 one in training: the values, their
+    positions and the gradient sent back to them are library calls (no ATen fallback)."""
+    def make():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(3, 2, 1),
+                                   torch.nn.Conv2d(8, 8, 3), torch.nn.MaxPool2d(2), torch.nn.Flatten(),
+                                   torch.nn.Linear(48, 10))
+    model, reference = make(), make()
+    x = torch.randn(2, 3, 15, 14, generator=torch.Generator().manual_seed(1))
+    compiled = _compile(model)
+    for net, fn in ((model, compiled), (reference, reference)):
+        net.zero_grad(set_to_none=True)
+        (fn(x) * _weights_for(torch.empty(2, 10))).sum().backward()
+    _assert_grads_close({n: p.grad for n, p in model.named_parameters()},
+                        {n: p.grad for n, p in reference.named_parameters()})
+    plans = egc.last_plans()
+    assert len(plans) == 2 and not any(p.fallbacks for p in plans), [p.fallbacks for p in plans]
+    assert "max_pool2d_grad" in plans[1].ops(), plans[1]
+
+
 def test_gpt2_trains_with_dropout_when_seeds_are_fixed():
     from transformers import GPT2Config, GPT2LMHeadModel
     torch.manual_seed(0)
