@@ -96,15 +96,21 @@ def softmax_attention(t, a):
     """`softmax(q k^T * s + m) v` as written (the rules' form of an additive mask): as sdpa,
     but a row whose mask removes every key (all -inf) is NaN, softmax's answer, where torch's
     sdpa kernels give 0 (all of them, on CPU and CUDA: measured, torch 2.11 and 2.13)."""
-    return masked_rows_nan(t[3], t[1].shape[-2], sdpa(t, a))
+    return nan_rows(fully_masked_rows(t[3], t[1].shape[-2]), sdpa(t, a))
 
 
-def masked_rows_nan(mask, keys: int, out):
-    if keys == 0:  # no keys: the matmul over them is 0 in the primitive form too
-        return out
+def fully_masked_rows(mask, keys: int):
+    """[..., L, 1]: the rows where the mask removes every key (all -inf); None without keys (the
+    primitive form's matmul over no keys is 0, as sdpa's)."""
+    if keys == 0:
+        return None
     if mask.dim() < 2:
         mask = mask.expand(1, keys)
-    return torch.where(mask.amax(-1, keepdim=True) == float("-inf"), float("nan"), out)
+    return mask.amax(-1, keepdim=True) == float("-inf")
+
+
+def nan_rows(rows, out):
+    return out if rows is None else torch.where(rows, float("nan"), out)
 
 
 @functools.lru_cache(maxsize=1024)

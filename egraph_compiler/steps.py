@@ -137,6 +137,8 @@ class TorchSteps:
             linear = torch.nn.functional.linear  # no bias: a scalar 0 bias would cost an extra kernel
             return lambda args: linear(args[0], args[1])
         reference, attrs = ops.get(node.op).reference, node.a
+        if node.op == "softmax_attention":  # sdpa, and NaN where the mask removes a whole row (found once per run)
+            reference = self._softmax_attention(node)
         if node.op in ("sdpa_mask", "softmax_attention") and self.device == "cuda":
             return lambda args: self._masked_attention(node, args, reference)
         return lambda args: reference(args, attrs)
@@ -154,8 +156,21 @@ class TorchSteps:
             if key not in self.memo:
                 self.memo[key] = library.query_group_mask(mask, groups, q.shape[-2])
             out = library.grouped_queries(q, k, v, self.memo[key], node.attr("scale"))
-            return library.masked_rows_nan(mask, k.shape[-2], out) if node.op == "softmax_attention" else out
+            if node.op == "softmax_attention":
+                out = library.nan_rows(self._masked_rows(node, mask, k.shape[-2]), out)
+            return out
         return reference(args, node.a)
+
+    def _softmax_attention(self, node: Node):
+        def call(args, attrs):
+            return library.nan_rows(self._masked_rows(node, args[3], args[1].shape[-2]), library.sdpa(args, attrs))
+        return call
+
+    def _masked_rows(self, node: Node, mask, keys: int):
+        key = ("masked rows", id(node.args[3]), keys)  # layers that share a mask share its rows
+        if key not in self.memo:
+            self.memo[key] = library.fully_masked_rows(mask, keys)
+        return self.memo[key]
 
 
 def _once(make):
