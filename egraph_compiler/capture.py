@@ -177,6 +177,8 @@ def _convert(fx_node, env, where) -> object:
     result, reason = None, "outside the vocabulary"
     if any(isinstance(a, float) and math.isnan(a) for a in [*args, *kwargs.values()]):
         converter, reason = None, "a NaN constant (the e-graph's numbers cannot hold NaN)"
+    if fx_node.target in STORAGE_VIEWS and not _dense(fx_node.args[0]):
+        converter, reason = None, "a view by strides of a tensor not dense in its storage"
     if converter is not None:
         reason = "an argument or form the op table does not model"
         try:
@@ -192,6 +194,15 @@ def _convert(fx_node, env, where) -> object:
         if node is not None:
             where.setdefault(id(node), user_line(fx_node))
     return result
+
+
+STORAGE_VIEWS = (torch.ops.aten.as_strided.default, torch.ops.aten.as_strided_scatter.default)
+
+
+def _dense(fx_node) -> bool:
+    """A value laid out as its own contiguous storage: strides address it as the op table's tensors."""
+    val = fx_node.meta.get("val") if isinstance(fx_node, torch.fx.Node) else None
+    return isinstance(val, torch.Tensor) and val.is_contiguous() and val.storage_offset() == 0
 
 
 def _as_torch_types(node: Node, val) -> Node | None:

@@ -1,23 +1,30 @@
 """Converters for the ops of AOTAutograd's backward graphs that have no forward
 counterpart: slice and select backward, and an embedding's gradient (a
-convolution's: convnets.py).  capture.py reads them with converters.py's table."""
+convolution's: convnets.py), also as an advanced index's (index_put accumulating).  capture.py reads them with converters.py's table."""
 from __future__ import annotations
+
+import math
 
 import torch
 
 from . import ops
-from .converters import _cat, _fill, _unsqueeze
-from .graph import Node
+from .converters import _cat, _fill, _reshape, _slice, _unsqueeze
+from .graph import Node, const
 
 aten = torch.ops.aten
 
 
 def _slice_backward(grad, sizes, dim, start, end, step):
-    """The gradient of a slice: the slice's gradient with zeros around it."""
+    """The gradient of a slice: the slice's gradient with zeros around it; of a strided slice
+    (Swin's x[:, 0::2]), each of its rows followed by step - 1 rows of zeros first."""
     d = ops.norm_dim(dim, len(sizes))
     start, end, step = slice(start, end, step).indices(sizes[d])
-    if step != 1:
-        return None
+    rows = grad.shape[d]
+    end = start + min(rows * step, sizes[d] - start) if rows else start
+    if step != 1 and rows:
+        gaps = _fill(0.0, [*grad.shape[:d + 1], step - 1, *grad.shape[d + 1:]], like=grad)
+        spread = _cat([_unsqueeze(grad, d + 1), gaps], d + 1)
+        grad = _slice(_reshape(spread, [*grad.shape[:d], rows * step, *grad.shape[d + 1:]]), d, 0, end - start)
     parts = []
     for length, part in ((start, None), (end - start, grad), (sizes[d] - end, None)):
         if length > 0:
@@ -32,7 +39,50 @@ def _embedding_backward(grad, ids, rows, padding_idx, scale_grad_by_freq):
                                                      "scale": bool(scale_grad_by_freq)})
 
 
+def _index_put(x, indices, values, accumulate=False):
+    """x.index_put_((i,), v, accumulate=True): the gradient of an advanced index x[i] (Swin's
+    relative position bias table), x plus v's rows added at i: an embedding's gradient."""
+    if (not accumulate or len(indices) != 1 or indices[0] is None or indices[0].dtype not in ops.INTEGERS
+            or not x.shape or not x.dtype.startswith(("float", "bfloat"))
+            or tuple(values.shape) != tuple(indices[0].shape) + tuple(x.shape[1:]) or values.dtype != x.dtype):
+        return None
+    i, rows, width = indices[0], x.shape[0], math.prod(x.shape[1:])
+    i = Node.make("where", (Node.make("lt", (i, const(0.0))), Node.make("add", (i, const(float(rows)))), i))
+    count = math.prod(i.shape)
+    added = Node.make("embedding_grad", (_reshape(values, [count, width]), _reshape(i, [count])),
+                      {"rows": rows, "padding_idx": -1, "scale": False})
+    return Node.make("add", (x, _reshape(added, list(x.shape))))
+
+
+def _whole_in_order(shape, size, stride, offset) -> bool:
+    """Whether as_strided(size, stride, offset) of a dense tensor of `shape` reads all of it in
+    order (strides of size-1 dims do not matter): a reshape."""
+    if offset or math.prod(size) != math.prod(shape):
+        return False
+    expected = 1
+    for n, st in reversed(list(zip(size, stride))):
+        if n != 1 and st != expected:
+            return False
+        expected *= n
+    return True
+
+
+def _as_strided(x, size, stride, offset=0):
+    """Functionalisation's view by storage strides (adaptive pooling's keepdim result, a gradient
+    buffer): a reshape where it reads the whole (dense: capture checks) tensor in order."""
+    return _reshape(x, list(size)) if _whole_in_order(x.shape, size, stride, offset or 0) else None
+
+
+def _as_strided_scatter(base, src, size, stride, offset=0):
+    """base with the view as_strided(size, stride, offset) replaced by src: src itself, reshaped,
+    where the view is the whole base in order."""
+    return _reshape(src, list(base.shape)) if _whole_in_order(base.shape, size, stride, offset or 0) else None
+
+
 GRADIENTS = {
+    aten.as_strided.default: _as_strided,
+    aten.as_strided_scatter.default: _as_strided_scatter,
+    aten.index_put.default: _index_put,
     aten.slice_backward.default: _slice_backward,
     aten.select_backward.default: lambda g, sizes, dim, i: _slice_backward(
         _unsqueeze(g, dim), sizes, dim, i % sizes[dim], i % sizes[dim] + 1, 1),

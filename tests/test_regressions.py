@@ -496,13 +496,22 @@ def test_output_that_is_a_view_of_a_value_fused_into_a_library_call():
     lambda x: torch.ops.aten.slice_backward(x, [6, 7, 4], 1, 2, 5, 1),
     lambda x: torch.ops.aten.slice_backward(x[:, :1], [6, 3, 4], 1, -1, 100, 1),
     lambda x: torch.ops.aten.select_backward(x[:, 0], [6, 3, 4], 1, 2) * 2,
+    lambda x: (torch.ops.aten.slice_backward(x, [6, 7, 4], 1, 1, 7, 2), torch.ops.aten.slice_backward(x, [12, 3, 4], 0, 0, 12, 2),
+               torch.ops.aten.slice_backward(x[:, :2], [6, 5, 4], -2, -4, 5, 3)),
+    lambda x: (torch.ops.aten.index_put(x[0], [torch.tensor([2, -1, 2, 0, 1])], x[1:, :, 0].reshape(5, 3)[:, :1].expand(5, 4),
+                                        True), torch.ops.aten.index_put(x, [torch.tensor([[1, 1], [0, 5]])], x[:4].reshape(2, 2, 3, 4), True)),
+    lambda x: (torch.ops.aten.as_strided(x.mean((-1, -2), keepdim=True), [6, 1, 1], [1, 6, 6]) * 2,
+               torch.ops.aten.as_strided_scatter(x.reshape(-1) * 2, x + 1, [6, 3, 4], [12, 4, 1], 0)),
     lambda x: (torch.full((2, 3), 2**40 + 1), torch.zeros(4, dtype=torch.int32) - 7, x.new_ones(3, dtype=torch.long),
                torch.scalar_tensor(3) * x[0, 0, 0], torch.full((2,), True)),
 ], ids=["var_mean_row", "var_mean_dims", "var_all", "var_biased", "var_keepdim", "fills", "bool_fill",
-        "slice_backward", "slice_backward_clamped", "select_backward", "integer_fills"])
+        "slice_backward", "slice_backward_clamped", "select_backward", "slice_backward_strided",
+        "index_put_accumulating", "as_strided_whole", "integer_fills"])
 def test_ops_that_training_graphs_hold(fn):
-    """var_mean (layer_norm's decomposition), constant fills and slice/select backward are
-    generated code, not ATen calls; each matches torch exactly in shape and dtype."""
+    """var_mean (layer_norm's decomposition), constant fills, slice/select backward (strided too:
+    Swin's patch merging), an advanced index's gradient (index_put accumulating) and as_strided
+    views that read a whole tensor in order are generated code or library calls, not ATen calls;
+    each matches torch exactly in shape and dtype."""
     x = torch.randn(6, 3, 4)
     compiled = egc.compile(fn, [x])
     got, want = compiled(x), fn(x)
