@@ -368,8 +368,10 @@ CONVERTERS = {
     aten.rsub.Tensor: lambda x, other, alpha=1: _binary("sub")(other, x, alpha) if alpha == 1 else None,
     aten.reciprocal.default: lambda x: Node.make("div", (const(1.0), x)),
 }
-for _name in ["exp", "log", "tanh", "erf", "cos", "sin", "relu", "sigmoid", "neg", "abs", "sqrt", "rsqrt", "silu"]:
+for _name in ["exp", "log", "tanh", "erf", "cos", "sin", "floor", "relu", "sigmoid", "neg", "abs", "sqrt", "rsqrt",
+              "silu"]:
     CONVERTERS[getattr(aten, _name).default] = _unary(_name)
+CONVERTERS[aten.floor.default] = lambda x: x if x.dtype in ops.INTEGERS else _unary("floor")(x)  # integers: as they are
 for _name in ["add", "sub", "mul", "maximum", "gt", "ge", "lt", "le", "eq", "ne"]:
     for _overload in ("Tensor", "Scalar", "default"):
         if hasattr(getattr(aten, _name), _overload):

@@ -58,7 +58,8 @@ def embedding_grad(t, a):
     return torch.ops.aten.embedding_dense_backward(grad, ids, a["rows"], a["padding_idx"], a["scale"])
 
 
-def sdpa(t, a):
+def sdpa(t, a, prepared: bool = False):
+    """torch's sdpa on t = (q, k, v[, mask]); `prepared`: the mask is fused_kernel_mask's already."""
     q, k, v = t[:3]
     mask = t[3] if len(t) > 3 else None
     if mask is not None and mask.dim() < 2:  # a scalar or per-key mask (rules may leave one): torch wants [..., L, S]
@@ -85,7 +86,7 @@ def sdpa(t, a):
             with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
                 return call(q, k, v)
         return call(q, k, v)
-    if mask is not None:
+    if mask is not None and not prepared:
         mask = fused_kernel_mask(mask, k.shape[-2], q.dtype)
     if grouped and mask is not None and not a["causal"] and q.dim() == 4:
         return grouped_queries(q, k, v, query_group_mask(mask, q.shape[-3] // k.shape[-3], q.shape[-2]), a["scale"])

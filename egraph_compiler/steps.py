@@ -137,13 +137,14 @@ class TorchSteps:
             linear = torch.nn.functional.linear  # no bias: a scalar 0 bias would cost an extra kernel
             return lambda args: linear(args[0], args[1])
         reference, attrs = ops.get(node.op).reference, node.a
-        if node.op == "softmax_attention":  # sdpa, and NaN where the mask removes a whole row (found once per run)
-            reference = self._softmax_attention(node)
         if node.op in ("sdpa_mask", "softmax_attention") and self.device == "cuda":
-            return lambda args: self._masked_attention(node, args, reference)
+            return lambda args: self._masked_attention(node, args)
+        if node.op == "softmax_attention":  # sdpa, and NaN where the mask removes a whole row (found once per run)
+            return lambda args: library.nan_rows(self._masked_rows(node, args[3], args[1].shape[-2]),
+                                                 library.sdpa(args, attrs))
         return lambda args: reference(args, attrs)
 
-    def _masked_attention(self, node: Node, args, reference):
+    def _masked_attention(self, node: Node, args):
         key = ("mask", id(node.args[3]), node.args[0].dtype, args[1].shape[-2])  # each layer's sdpa reads
         if key not in self.memo:  # one mask: converted once per run
             self.memo[key] = library.fused_kernel_mask(args[3], args[1].shape[-2], args[0].dtype)
@@ -156,15 +157,11 @@ class TorchSteps:
             if key not in self.memo:
                 self.memo[key] = library.query_group_mask(mask, groups, q.shape[-2])
             out = library.grouped_queries(q, k, v, self.memo[key], node.attr("scale"))
-            if node.op == "softmax_attention":
-                out = library.nan_rows(self._masked_rows(node, mask, k.shape[-2]), out)
-            return out
-        return reference(args, node.a)
-
-    def _softmax_attention(self, node: Node):
-        def call(args, attrs):
-            return library.nan_rows(self._masked_rows(node, args[3], args[1].shape[-2]), library.sdpa(args, attrs))
-        return call
+        else:
+            out = library.sdpa(args, node.a, prepared=True)
+        if node.op == "softmax_attention":
+            out = library.nan_rows(self._masked_rows(node, mask, k.shape[-2]), out)
+        return out
 
     def _masked_rows(self, node: Node, mask, keys: int):
         key = ("masked rows", id(node.args[3]), keys)  # layers that share a mask share its rows

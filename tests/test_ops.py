@@ -79,6 +79,10 @@ CASES: list[OpCase] = [
     C("erf", "erf", torch.erf, lambda: (randn(2, 3, 4),)),
     C("cos_large_args", "cos", torch.cos, lambda: (randn(3, 7) * 100,)),
     C("sin_noncontig_t", "sin", torch.sin, lambda: (randn(5, 4).t() * 10,)),
+    C("floor_of_drop_path_keep_masks", "floor",  # stochastic depth: floor(rand + keep_prob), and halves, -0.0, inf
+      lambda x, r: (torch.floor(x), torch.floor(r + 0.8) * x, torch.floor(x * 0.5)),
+      lambda: (torch.tensor([-2.5, -0.5, -0.0, 0.0, 0.5, 1.0, 2.99, float("inf"), -float("inf"), float("nan")]),
+               torch.rand(10))),
     C("relu_nan", "relu", torch.relu, lambda: (with_nan(4, 5),)),
     C("sigmoid_wide_range", "sigmoid", torch.sigmoid, lambda: (randn(3, 5) * 20,)),
     C("neg_1elem", "neg", torch.neg, lambda: (randn(1),)),
