@@ -35,6 +35,7 @@ SCALAR_OPS = {
 }
 
 PRELUDE = """#include <cmath>
+#include <limits>
 #include <cstdint>
 #include <algorithm>
 #ifdef EGC_VECTOR_MATH  // glibc's vector math library: SIMD variants of these, for `omp simd` loops
@@ -149,7 +150,16 @@ _REDUCTIONS = {
             "    #pragma omp simd reduction(max:{acc}) reduction(|:{acc}_nan)",
             "{{ const float v = {v}; {acc} = std::max({acc}, v); {acc}_nan |= (v != v); }}",
             "    if ({acc}_nan) {acc} = NAN;"),
+    # integers (and bools) sum and compare exactly in their own type, as torch's
+    "int sum": ("    {ctype} {acc} = 0;", "    #pragma omp simd reduction(+:{acc})",
+                "{{ {acc} += static_cast<{ctype}>({v}); }}", ""),
+    "int max": ("    {ctype} {acc} = std::numeric_limits<{ctype}>::lowest();", "    #pragma omp simd reduction(max:{acc})",
+                "{{ {acc} = std::max({acc}, static_cast<{ctype}>({v})); }}", ""),
 }
+
+
+def _combiner(red) -> str:
+    return red.combiner if red.dtype not in CTYPES or red.dtype.startswith("float") else f"int {red.combiner}"
 
 
 def _expr(e, types: dict[str, str]) -> str:
@@ -211,12 +221,12 @@ def _pass(k: LoopKernel, group: list, types, bounded: str | None) -> list[str]:
     double lanes they replaced cost a softmax kernel 16% on 16 cores), each block's sum added in
     double (accurate as a cascade over long rows: tests/test_regressions.py)."""
     lines, steps, clauses = [], [], []
-    blocked = all(red.combiner == "sum" for _, red in group)
+    blocked = all(_combiner(red) == "sum" for _, red in group)
     for i, red in group:
-        init, pragma, step, _ = _REDUCTIONS[red.combiner]
+        init, pragma, step, _ = _REDUCTIONS[_combiner(red)]
         body = _expr(red.body, types)
-        lines.append(init.format(acc=red.acc))
-        step = step.format(acc=red.acc, v=body)[2:-2]
+        lines.append(init.format(acc=red.acc, ctype=CTYPES.get(red.dtype, "float")))
+        step = step.format(acc=red.acc, v=body, ctype=CTYPES.get(red.dtype, "float"))[2:-2]
         if red.acc == bounded:  # the row's minimum beside its maximum
             lines.append(f"    float {red.acc}_lo = INFINITY;")
             step = step.replace(f"{red.acc} = std::max({red.acc}, v); ",
@@ -239,8 +249,8 @@ def _pass(k: LoopKernel, group: list, types, bounded: str | None) -> list[str]:
                   "      " + " ".join(f"{red.acc}_d += {red.acc}_p;" for _, red in group), "    }"]
     else:
         lines += ["    #pragma omp simd " + loop[0], f"    for (int64_t r = 0; r < {k.inner}; ++r) {{ {loop[1]} }}"]
-    return lines + [_REDUCTIONS[red.combiner][3].format(acc=red.acc, n=k.inner) for _, red in group
-                    if _REDUCTIONS[red.combiner][3]]
+    return lines + [_REDUCTIONS[_combiner(red)][3].format(acc=red.acc, n=k.inner) for _, red in group
+                    if _REDUCTIONS[_combiner(red)][3]]
 
 
 def _bounded_exps(k: LoopKernel, types) -> tuple[str | None, dict[str, str]]:
@@ -250,7 +260,7 @@ def _bounded_exps(k: LoopKernel, types) -> tuple[str | None, dict[str, str]]:
     minimum, and the rest of the row is rendered twice: with plain expf for those calls where
     min(b) - m >= -87 (so is every b - m: float subtraction is monotonic; a NaN takes the
     guarded copy), and as before otherwise."""
-    maxima = {red.acc: red.body for red in k.reductions if red.combiner == "max"}
+    maxima = {red.acc: red.body for red in k.reductions if _combiner(red) == "max"}
     later = [red.body for red in k.reductions if red.combiner != "max"] + [k.value] + [s[2] for s in k.extra_stores]
     found: dict[str, dict[str, str]] = {}
     for e in (e for root in later for e in _calls(root, "exp")):

@@ -183,6 +183,8 @@ class _Kernel:
 
     def _reduction(self, i: int, red) -> list[str]:
         acc, is_max = red.acc, red.combiner == "max"
+        if red.dtype != "float32":
+            return self._integer_reduction(red)
         identity = "-INF" if is_max else "0.0"
         stash = self.k.stash_last and i == len(self.k.reductions) - 1 and not self.looped
         if not self.looped:
@@ -203,6 +205,20 @@ class _Kernel:
                             f"    {acc} = tl.where(tl.max({acc}_n, axis=1, keep_dims=True) > 0, INF - INF, {acc})"]
         lines.append(f"        {acc}_b = {acc}_b + tl.where(mask, {acc}_v, 0.0)")
         return lines + [f"    {acc} = tl.sum({acc}_b, axis=1, keep_dims=True)"]
+
+    def _integer_reduction(self, red) -> list[str]:
+        """An integer (or bool) sum or max, exact in the accumulator's integer type (no NaN to track)."""
+        acc, kind, combine = red.acc, TL[red.dtype], "max" if red.combiner == "max" else "sum"
+        identity = str(-(1 << (63 if red.dtype == "int64" else 31))) if combine == "max" else "0"
+        if not self.looped:
+            return [f"    {acc}_v = ({self.expr(red.body)}).to({kind})",
+                    f"    {acc} = tl.{combine}(tl.where(mask, {acc}_v, {identity}), axis=1, keep_dims=True)"]
+        fold = f"tl.maximum({acc}_b, {{}})" if combine == "max" else f"{acc}_b + {{}}"
+        return [f"    {acc}_b = tl.full([XBLOCK, RBLOCK], {identity}, {kind})",
+                f"    for r0 in range(0, {self.k.inner}, RBLOCK):", *self._columns("r0", "        "),
+                f"        {acc}_v = ({self.expr(red.body)}).to({kind})",
+                f"        {acc}_b = " + fold.format(f"tl.where(mask, {acc}_v, {identity})"),
+                f"    {acc} = tl.{combine}({acc}_b, axis=1, keep_dims=True)"]
 
     @staticmethod
     def _combine(acc, v, is_max, identity, pad) -> list[str]:

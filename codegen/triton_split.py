@@ -34,7 +34,7 @@ def _splittable(k: LoopKernel) -> bool:
     stores = [(k.store_param, k.store_index, k.value, k.store_in_inner)] + list(k.extra_stores)
     return (bool(k.reductions) and k.inner >= SPLIT_MIN_ROWS and not k.stash_last
             and not any(s[3] for s in stores)
-            and all(r.combiner == "sum" and not _reads_acc(r.body) for r in k.reductions)
+            and all(r.combiner == "sum" and r.dtype == "float32" and not _reads_acc(r.body) for r in k.reductions)
             and _column_major(k))
 
 

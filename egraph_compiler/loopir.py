@@ -230,6 +230,7 @@ class Reduction:
     acc: str
     combiner: str  # sum | max | mean (a sum divided by the loop's length in double: C++ only)
     body: object
+    dtype: str = "float32"  # the accumulator's: float32, or int64/int32 for an integer sum or max (exact)
 
 
 @dataclass(frozen=True)
@@ -320,7 +321,7 @@ def merge_siblings(first: "LoopKernel", second: "LoopKernel") -> "LoopKernel | N
         return None
     offset = len(first.reductions)
     mapping = {r.acc: f"acc{offset + k}" for k, r in enumerate(second.reductions)}
-    reductions = first.reductions + [Reduction(mapping[r.acc], r.combiner, rename_accs(r.body, mapping))
+    reductions = first.reductions + [Reduction(mapping[r.acc], r.combiner, rename_accs(r.body, mapping), r.dtype)
                                      for r in second.reductions]
     names = {p.name for p in first.params}
     ins = [p for p in first.params if p.role == "in"] + [p for p in second.params

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+from . import ops
 from .errors import CodegenError
 from .graph import Node, computed_nodes, const, inline_edges
 from .rows import expand_rows
@@ -197,7 +198,8 @@ STASH_LIMIT = 16384  # floats: a row's stash lives on the stack (64 KB), like In
 def _stash_last_reduction(k: LoopKernel, dtype: str) -> None:
     """When the store recomputes the last reduction's body at the same element,
     keep the body in a per-row stash during the reduction and read it back."""
-    if not (k.store_in_inner and k.reductions and dtype == "float32" and 0 < k.inner <= STASH_LIMIT):
+    if not (k.store_in_inner and k.reductions and dtype == "float32" and 0 < k.inner <= STASH_LIMIT
+            and k.reductions[-1].dtype == "float32"):
         return
     body = k.reductions[-1].body
     if isinstance(body, (Load, Const)) or not contains(k.value, body):
@@ -356,7 +358,7 @@ class _Lowering:
             acc = Acc(f"acc{len(self.reductions)}")
             exact = self.exact_mean and node.op == "mean"  # divided in double by the renderer
             self.reductions.append(Reduction(acc.name, "max" if node.op == "amax" else "mean" if exact else "sum",
-                                             body))
+                                             body, node.dtype if node.dtype in ops.INTEGERS else "float32"))
             self._accs[key] = acc
         acc = self._accs[key]
         if node.op != "mean" or self.exact_mean:

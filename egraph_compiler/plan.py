@@ -219,7 +219,8 @@ def kernel_body(root: Node, stored: frozenset = frozenset()) -> tuple[list[Node]
     return body, inputs
 
 
-INTEGER_OPS = frozenset({"add", "sub", "mul", "neg", "where", "cast", "cat", "embedding", "gather"})  # exact in integers
+INTEGER_OPS = frozenset({"add", "sub", "mul", "neg", "where", "cast", "cat", "embedding", "gather",
+                         "sum", "amax"})  # exact in integers (sums and maxima accumulate in the integer type)
 
 
 def _integral(value: float) -> bool:
@@ -230,10 +231,10 @@ def _integral(value: float) -> bool:
 
 def _integer_reason(body) -> str:
     """Why generated code would not compute this kernel's integers exactly ("" when
-    it would): targets compute integer add/sub/mul/neg/where/cast/cat in int64 and
-    compare integers as integers; other integer ops (reductions, maximum, abs, the
-    integer division forms) run through ATen, and no other op reads an integer
-    except through a cast."""
+    it would): targets compute integer add/sub/mul/neg/where/cast/cat, sums and
+    maxima in the integer type and compare integers as integers; other integer ops
+    (maximum, abs, the integer division forms) run through ATen, and no other op
+    reads an integer except through a cast."""
     for n in body:
         if n.group in ("layout", "source"):
             continue

@@ -166,6 +166,12 @@ INTEGER_ARITHMETIC = {  # integer arithmetic generated, exact past 2**24 (HF's m
         (4,), 2052.0, dtype=torch.float16, device=p.device),  # in float16, as torch promotes: 3 + 2048 -> 2052
     "int_scalar_equality": lambda p: (p == 16777217) | (p != 2**53 - 1),  # in int64: exact
     "bool_to_int": lambda p: (p > 0).long() + p,
+    # sums and maxima in the integer type: exact where float accumulation would round (2**53 + 5)
+    "sum_rows": lambda p: p.sum(-1),
+    "sum_columns_keepdim": lambda p: p.sum(0, keepdim=True) - p,
+    "amax_rows": lambda p: p.amax(-1),
+    "count_true": lambda p: (p > 0).sum(-1),  # sequence lengths from a padding mask
+    "int32_sum_widens": lambda p: p.int().sum(0),
 }
 BIG = torch.tensor([[2**40 + 1, -(2**35) - 3, 7, 0], [3, 2**24 + 1, -1, 2**53 + 5]])
 
@@ -181,8 +187,7 @@ def test_integer_arithmetic_is_generated_exactly(name, target):
     torch.testing.assert_close(got, want, atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("fn, reason", [(lambda p: p.sum(-1), "integer sum"),
-                                        (lambda p: torch.maximum(p, p.flip(-1)), "integer maximum"),
+@pytest.mark.parametrize("fn, reason", [(lambda p: torch.maximum(p, p.flip(-1)), "integer maximum"),
                                         (lambda p: torch.abs(p) + 1, "integer abs"),
                                         (lambda p: p != 2**53 + 5, "form the op table does not model")])
 def test_integer_ops_outside_exact_codegen_run_through_aten(fn, reason):

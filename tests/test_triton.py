@@ -90,6 +90,21 @@ def test_unknown_target_and_wrong_device_are_clear_errors():
         egc.compile(lambda x: x + 1, [torch.randn(3)], target="cuda")
 
 
+def _integer_reductions(x, b):
+    return x.sum(-1), x.amax(-1), b.sum(-1), x.int().sum(0), (x * 2**40).amax(0)
+
+
+@pytest.mark.parametrize("shape", [(5, 13), (3, 40000)])
+def test_integer_sums_and_maxima_are_exact(shape):
+    """Integer and bool sums and maxima are generated in the integer type (int64 past 2**53 too), on a
+    persistent row and a looped one, along rows and columns."""
+    x = torch.randint(-9, 9, shape, generator=torch.Generator().manual_seed(0))
+    compiled = egc.compile(_integer_reductions, [x, x > 0], target="triton")
+    assert not compiled.plan.fallbacks and {k.kind for k in compiled.plan.kernels} == {"generated"}
+    for got, want in zip(compiled(x, x > 0), _integer_reductions(x, x > 0)):
+        assert got.dtype == want.dtype and torch.equal(got, want), (got, want)
+
+
 def test_kernels_compile_for_an_h200_without_a_gpu():
     """Every Triton kernel of the workloads (float32 and bfloat16) and of a training step (forward
     and backward graphs, with constant fills and casts) is compiled for sm_90 down to a cubin:
@@ -106,6 +121,9 @@ def test_kernels_compile_for_an_h200_without_a_gpu():
     fills = lambda x: torch.ops.aten.slice_backward(x, [6, 7], 1, 2, 5, 1) + torch.zeros(6, 7)  # noqa: E731
     compiled = egc.compile(fills, [torch.randn(6, 3)], target="triton")
     modules.append((compiled.source, compiled.loop_kernels))
+    for x in (torch.randint(-9, 9, (3, 40)), torch.randint(-9, 9, (2, 40000))):  # integer sums and maxima
+        compiled = egc.compile(_integer_reductions, [x, x > 0], target="triton")  # (persistent, then looped rows)
+        modules.append((compiled.source, compiled.loop_kernels))
     torch._dynamo.reset()
     egc.last_plans(clear=True)
     torch.compile(model, backend="egraph", options={"target": "triton"})(torch.randn(4, 8, 16)).sum().backward()
