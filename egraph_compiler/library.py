@@ -101,13 +101,16 @@ def softmax_attention(t, a):
 
 
 def fully_masked_rows(mask, keys: int):
-    """[..., L, 1]: the rows where the mask removes every key (all -inf); None without keys (the
-    primitive form's matmul over no keys is 0, as sdpa's)."""
+    """[..., L, 1]: the rows that softmax makes NaN whatever the scores: the mask removes every
+    key (all -inf) or holds a NaN (a fused kernel may give 0 for NaN scores, as torch's CPU flash
+    kernel did for NaN queries);
+    None without keys (the primitive form's matmul over no keys is 0, as sdpa's)."""
     if keys == 0:
         return None
     if mask.dim() < 2:
         mask = mask.expand(1, keys)
-    return mask.amax(-1, keepdim=True) == float("-inf")
+    top = mask.amax(-1, keepdim=True)  # (NaN where the row holds one)
+    return (top == float("-inf")) | top.isnan()
 
 
 def nan_rows(rows, out):
