@@ -80,14 +80,14 @@ def _adaptive_avg_pool2d(x, output_size):
 
 def _max_pool2d_with_indices(x, *args):
     """Training's form: the values and, as a second library call, their positions (int64)."""
-    if len(x.shape) not in (3, 4) or not x.dtype.startswith(("float", "bfloat")):
+    if not _poolable(x):
         return None
     a = _pool_attrs(x, *args)
     return [Node.make("max_pool2d", (x,), a), Node.make("max_pool2d_indices", (x,), a | {"dtype": "int64"})]
 
 
 def _max_pool2d_backward(grad, x, kernel, stride, padding, dilation, ceil_mode, indices):
-    if len(x.shape) not in (3, 4) or not x.dtype.startswith(("float", "bfloat")):
+    if not _poolable(x):
         return None
     return Node.make("max_pool2d_grad", (grad, x, indices), _pool_attrs(x, kernel, stride, padding, dilation, ceil_mode))
 
@@ -100,6 +100,11 @@ def _adaptive_avg_pool1d(x, output_size):
     return Node.make("mean", (windows,), {"dims": (-1,), "keepdim": False})
 
 
+def _poolable(x) -> bool:
+    """A float [N,] C, H, W input: what max pooling's converters take (integers: ATen)."""
+    return len(x.shape) in (3, 4) and x.dtype.startswith(("float", "bfloat"))
+
+
 def _pool_attrs(x, kernel, stride=(), padding=0, dilation=1, ceil_mode=False):
     kernel = _pair(kernel)
     return {"kernel": kernel, "stride": _pair(stride) if stride not in ((), []) else kernel,
@@ -110,7 +115,7 @@ def _max_pool2d(x, *args):
     """Max pooling over windows that tile the input (stride = kernel, no padding or dilation,
     sizes that divide): a reshape and an amax; other windows (ResNet's overlapping 3x3 / 2,
     padded): the library's max_pool2d."""
-    if len(x.shape) not in (3, 4) or not x.dtype.startswith(("float", "bfloat")):
+    if not _poolable(x):
         return None
     a = _pool_attrs(x, *args)
     kernel = a["kernel"]

@@ -1,6 +1,8 @@
 """Converters for the ops of AOTAutograd's backward graphs that have no forward
 counterpart: slice and select backward, and an embedding's gradient (a
-convolution's: convnets.py), also as an advanced index's (index_put accumulating).  capture.py reads them with converters.py's table."""
+convolution's: convnets.py), also as an advanced index's (index_put
+accumulating), and as_strided views that read a whole tensor in order.
+capture.py reads them with converters.py's table."""
 from __future__ import annotations
 
 import math
@@ -9,7 +11,8 @@ import torch
 
 from . import ops
 from .converters import _cat, _fill, _reshape, _slice, _unsqueeze
-from .graph import Node, const
+from .graph import Node
+from .indexing import wrapped
 
 aten = torch.ops.aten
 
@@ -47,7 +50,7 @@ def _index_put(x, indices, values, accumulate=False):
             or tuple(values.shape) != tuple(indices[0].shape) + tuple(x.shape[1:]) or values.dtype != x.dtype):
         return None
     i, rows, width = indices[0], x.shape[0], math.prod(x.shape[1:])
-    i = Node.make("where", (Node.make("lt", (i, const(0.0))), Node.make("add", (i, const(float(rows)))), i))
+    i = wrapped(i, rows)
     count = math.prod(i.shape)
     added = Node.make("embedding_grad", (_reshape(values, [count, width]), _reshape(i, [count])),
                       {"rows": rows, "padding_idx": -1, "scale": False})

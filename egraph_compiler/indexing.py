@@ -28,6 +28,11 @@ def _gather(x, dim, index, sparse_grad=False):
     return Node.make("gather", (x, index), {"dim": ops.norm_dim(dim, len(x.shape)) - len(x.shape)})
 
 
+def wrapped(i, n: int):
+    """Integer indices into n entries with negative ones counted from the end, as torch's."""
+    return Node.make("where", (Node.make("lt", (i, const(0.0))), Node.make("add", (i, const(float(n)))), i))
+
+
 def _index(x, indices):
     """x[i0, i1, ...] with integer tensors for x's first dims: x's rows (those dims flattened) picked
     by the flat index i0 * (n1 * ...) + i1 * ... (negative indices wrapped, as torch's), an
@@ -39,7 +44,7 @@ def _index(x, indices):
     dims, rest = x.shape[:len(indices)], x.shape[len(indices):]
     flat = None
     for k, (i, n) in enumerate(zip(indices, dims)):
-        i = Node.make("where", (Node.make("lt", (i, const(0.0))), Node.make("add", (i, const(float(n)))), i))
+        i = wrapped(i, n)
         stride = math.prod(dims[k + 1:])
         term = i if stride == 1 else Node.make("mul", (i, const(float(stride))))
         flat = term if flat is None else Node.make("add", (flat, term))
