@@ -307,21 +307,27 @@ def _direct(fn, grid, options):
     constexprs = [options[name] for name in names[names.index("XBLOCK"):]] \
         if "XBLOCK" in names and _knobs() is not None else None  # (after the pointers, in order)
 
+    grid3 = (*grid, 1, 1)[:3]
+    runtime = []  # (triton.knobs.runtime, the driver's current-stream function), after the first launch
+
     def run(tensors, extra):
         args = (*tensors, *extra)
-        device = args[0].device.index
-        key = (device, *(t.data_ptr() % 16 == 0 for t in args))
+        device = args[0].get_device()
+        key = (device, *[t.data_ptr() & 15 == 0 for t in args])
         kernel = launched.get(key)
         if kernel is None or constexprs is None:
             kernel = fn[grid](*args, **options)
             if constexprs is not None and hasattr(kernel, "packed_metadata") and hasattr(kernel, "function"):
                 launched[key] = kernel
+                runtime[:] = [_knobs().runtime, _driver().get_current_stream]
             return
-        stream = _driver().get_current_stream(device)
-        hooks = _knobs().runtime  # (a profiler's launch hooks see this launch as Triton's own; with
-        enter, leave = _hook(hooks.launch_enter_hook), _hook(hooks.launch_exit_hook)  # none, no metadata)
+        hooks, current_stream = runtime
+        stream = current_stream(device)
+        enter, leave = hooks.launch_enter_hook, hooks.launch_exit_hook  # (a profiler's launch hooks see this
+        if enter is not None or leave is not None:  # launch as Triton's own; with none, no metadata)
+            enter, leave = _hook(enter), _hook(leave)
         metadata = kernel.launch_metadata(grid, stream, *args, *constexprs) if enter or leave else None
-        kernel.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
+        kernel.run(grid3[0], grid3[1], grid3[2], stream,
                    kernel.function, kernel.packed_metadata, metadata, enter, leave, *args, *constexprs)
     return run
 

@@ -5,6 +5,7 @@ runtime (steps.py) runs them."""
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import torch.nn.attention
@@ -78,19 +79,57 @@ def sdpa(t, a, prepared: bool = False):
                                        v.shape[:len(v.shape) - 2 - len(heads)] + heads)
         return q.new_zeros((*batch, q.shape[-2], v.shape[-1]))
     if not q.is_cuda:
-        if not torch.isfinite(q.sum() + k[..., :1, :].sum()):
-            # a query row that meets only NaN scores (a NaN or inf in it, or in every key, so in
-            # the first): torch's CPU flash kernel treats the row as masked and gives 0; its math
-            # kernel, which eager picks for other layouts, gives NaN, as the arithmetic does.  The
-            # NaN stands.  (The check reads q once: 2-3% of a BERT layer's call on 2 cores.)
-            with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
-                return call(q, k, v)
-        return call(q, k, v)
+        return on_cpu(call, q, k, v)
     if mask is not None and not prepared:
         mask = fused_kernel_mask(mask, k.shape[-2], q.dtype)
     if grouped and mask is not None and not a["causal"] and q.dim() == 4:
         return grouped_queries(q, k, v, query_group_mask(mask, q.shape[-3] // k.shape[-3], q.shape[-2]), a["scale"])
     return on_cuda(call, q, k, v)
+
+
+def on_cpu(call, q, k, v):
+    """A query row that meets only NaN scores (a NaN or inf in it, or in every key, so in the
+    first): torch's CPU flash kernel treats the row as masked and gives 0; its math kernel,
+    which eager picks for other layouts, gives NaN, as the arithmetic does.  The NaN stands.
+    (The check reads q once: 2-3% of a BERT layer's call on 2 cores; two sums read back are
+    half the host time of one `isfinite` of their sum.)"""
+    if math.isfinite(q.sum().item()) and math.isfinite(k[..., :1, :].sum().item()):
+        return call(q, k, v)
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        return call(q, k, v)
+
+
+def attention(shapes: list, a: dict, cuda: bool):
+    """`sdpa` for operands of these shapes (q, k, v[, mask]; a plan's, known before the first
+    call), with what `sdpa` decides per call (grouped heads, the mask's broadcast) decided
+    once: a small model's forward is bound by the host.  On CUDA a mask must be
+    fused_kernel_mask's already (steps.py converts it once per run)."""
+    qs, ks, vs = shapes[:3]
+    grouped, keys = gqa(qs, ks, vs), ks[-2]
+    masked, per_key = len(shapes) > 3, len(shapes) > 3 and len(shapes[3]) < 2
+    if keys == 0:
+        return lambda t: sdpa(t, a)
+    wanted = (qs, ks, vs)
+    if masked:  # torch refuses a mask with more batch than q: q, k and v broadcast to it
+        wanted = _attention_shapes(qs, ks, vs, (1, keys) if per_key else tuple(shapes[3]), grouped)
+    expand = [tuple(w) if tuple(w) != tuple(x) else None for w, x in zip(wanted, (qs, ks, vs))]
+    causal, scale = a["causal"], a["scale"]
+    sdpa_ = F.scaled_dot_product_attention
+
+    def run(t):
+        q, k, v = t[0], t[1], t[2]
+        mask = t[3] if masked else None
+        if per_key:
+            mask = mask.expand(1, keys)
+        if expand[0]:
+            q = q.expand(expand[0])
+        if expand[1]:
+            k = k.expand(expand[1])
+        if expand[2]:
+            v = v.expand(expand[2])
+        return (on_cuda if cuda else on_cpu)(lambda q, k, v: sdpa_(q, k, v, attn_mask=mask, is_causal=causal,
+                                                                   scale=scale, enable_gqa=grouped), q, k, v)
+    return run
 
 
 def softmax_attention(t, a):

@@ -44,7 +44,8 @@ class Executable:
         nodes = {name: node for node in _all_nodes(plan) for name in [buffer_names.get(id(node))] if name}
         release = release_schedule(plan)
         verify_plan(plan, release)
-        self.steps = TorchSteps(target.device)  # library calls, fallbacks and views (steps.py)
+        dense = frozenset([id(n) for n in self.graph.inputs] + [id(n) for n in nodes.values()])
+        self.steps = TorchSteps(target.device, dense)  # library calls, fallbacks and views (steps.py)
         self.wrapper = _straight_line(self, {lk.name: lk for lk in loops}, nodes, release)
         self._run = self._runner(self.wrapper.names)
         bound = self.graph.bound

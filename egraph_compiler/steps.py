@@ -48,8 +48,11 @@ def torch_dtype(dtype: str) -> torch.dtype:
 class TorchSteps:
     """The callables, per node, that read a value out of a run's environment (id(node) -> tensor)."""
 
-    def __init__(self, device: str):
+    def __init__(self, device: str, dense: frozenset = frozenset()):
+        """`dense`: the nodes whose tensors are always contiguous, of the node's shape (the
+        program's inputs, generated kernels' buffers): a view of one is the same view every call."""
         self.device = device
+        self.dense = dense
         self.memo: dict = {}  # values one run shares between its steps (the runtime resets it per run)
         self.views: dict[int, dict] = {}  # a view's node -> {its base's layout: (size, stride, offset) | None}
         self._getters: dict[int, object] = {}
@@ -88,7 +91,13 @@ class TorchSteps:
         outer = self.getter(node.args[0])
         reference, attrs = ops.get(node.op).reference, node.a
 
+        fixed = []  # (key, view) once a view of a dense tensor has been seen to be one
+
         def view(env):
+            if fixed:
+                source = env.get(fixed[0])
+                if source is not None:
+                    return reinterpret(source, *fixed[1])
             for depth, key in enumerate(keys):  # the nearest computed tensor the chain reads
                 source = env.get(key)
                 if source is not None:
@@ -106,6 +115,8 @@ class TorchSteps:
                 viewed = value.untyped_storage().data_ptr() == source.untyped_storage().data_ptr()
                 seen[layout] = (value.shape, value.stride(),
                                 value.storage_offset() - source.storage_offset()) if viewed else False
+                if viewed and key in self.dense and source.is_contiguous():
+                    fixed[:] = [key, seen[layout]]
             return value
         return view
 
@@ -138,30 +149,55 @@ class TorchSteps:
             return lambda args: linear(args[0], args[1])
         reference, attrs = ops.get(node.op).reference, node.a
         if node.op in ("sdpa_mask", "softmax_attention") and self.device == "cuda":
-            return lambda args: self._masked_attention(node, args)
-        if node.op == "softmax_attention":  # sdpa, and NaN where the mask removes a whole row (found once per run)
-            return lambda args: library.nan_rows(self._masked_rows(node, args[3], args[1].shape[-2]),
-                                                 library.sdpa(args, attrs))
+            return self._masked_attention(node)
+        if node.op in ("sdpa", "sdpa_mask", "softmax_attention"):  # (what a call decides, decided once)
+            attention = library.attention([a.shape for a in node.args], attrs, self.device == "cuda")
+            if node.op == "softmax_attention":  # sdpa, and NaN where the mask removes a whole row (once per run)
+                return lambda args: library.nan_rows(self._masked_rows(node, args[3], args[1].shape[-2]),
+                                                     attention(args))
+            return attention
+        if node.op == "linear" and len(node.args[0].shape) == 2 and len(node.args[2].shape) == 1 and \
+                len({a.dtype for a in node.args} | {node.dtype}) == 1:
+            return self._addmm(node)
         return lambda args: reference(args, attrs)
 
-    def _masked_attention(self, node: Node, args):
-        key = ("mask", id(node.args[3]), node.args[0].dtype, args[1].shape[-2])  # each layer's sdpa reads
-        if key not in self.memo:  # one mask: converted once per run
-            self.memo[key] = library.fused_kernel_mask(args[3], args[1].shape[-2], args[0].dtype)
-        args[3] = mask = self.memo[key]
-        q, k, v = args[:3]
-        if (ops.gqa(q.shape, k.shape, v.shape) and q.dim() == 4 and not node.attr("causal")
-                and mask.dim() <= 4 and (mask.dim() < 4 or mask.shape[0] in (1, q.shape[0]))):
-            groups = q.shape[-3] // k.shape[-3]  # grouped-query attention: the grouped mask, also once
-            key = key + (groups, q.shape[-2])
-            if key not in self.memo:
-                self.memo[key] = library.query_group_mask(mask, groups, q.shape[-2])
-            out = library.grouped_queries(q, k, v, self.memo[key], node.attr("scale"))
-        else:
-            out = library.sdpa(args, node.a, prepared=True)
-        if node.op == "softmax_attention":
-            out = library.nan_rows(self._masked_rows(node, mask, k.shape[-2]), out)
-        return out
+    def _addmm(self, node: Node):
+        """A linear of a matrix with a bias as `addmm` into a new buffer: on the H200 box's host,
+        21 us a call against `F.linear`'s 26 (torch 2.11, bfloat16)."""
+        new = empty(node.shape, torch_dtype(node.dtype), self.device)
+        addmm = torch.addmm
+        return lambda args: addmm(args[2], args[0], args[1].t(), out=new())
+
+    def _masked_attention(self, node: Node):
+        """sdpa with a mask on CUDA: the mask converted once per run for the layers that share it
+        (library.fused_kernel_mask), grouped query heads on the query axis with a mask grouped
+        once as well (library.grouped_queries); what depends on shapes only, decided now."""
+        q_shape, k_shape, v_shape, m_shape = (a.shape for a in node.args)
+        keys, rows = k_shape[-2], q_shape[-2]
+        key = ("mask", id(node.args[3]), node.args[0].dtype, keys)  # each layer's sdpa reads one mask
+        m_dim = max(len(m_shape), 2)  # (as fused_kernel_mask leaves it)
+        groups = q_shape[-3] // k_shape[-3] if ops.gqa(q_shape, k_shape, v_shape) else 0
+        if not (groups and len(q_shape) == 4 and not node.attr("causal")
+                and (m_dim < 4 or m_shape[0] in (1, q_shape[0]))):
+            groups = 0
+        group_key = key + (groups, rows)
+        prepared = library.attention([q_shape, k_shape, v_shape, m_shape], node.a, cuda=True)
+        scale, nan = node.attr("scale"), node.op == "softmax_attention"
+
+        def run(args):
+            memo = self.memo
+            mask = memo.get(key)
+            if mask is None:
+                mask = memo[key] = library.fused_kernel_mask(args[3], keys, args[0].dtype)
+            if groups:  # grouped-query attention: the grouped mask, also once
+                grouped = memo.get(group_key)
+                if grouped is None:
+                    grouped = memo[group_key] = library.query_group_mask(mask, groups, rows)
+                out = library.grouped_queries(args[0], args[1], args[2], grouped, scale)
+            else:
+                out = prepared([args[0], args[1], args[2], mask])
+            return library.nan_rows(self._masked_rows(node, mask, keys), out) if nan else out
+        return run
 
     def _masked_rows(self, node: Node, mask, keys: int):
         key = ("masked rows", id(node.args[3]), keys)  # layers that share a mask share its rows

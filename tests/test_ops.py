@@ -383,6 +383,44 @@ def test_the_cuda_step_of_a_masked_grouped_attention_matches_eager():
     assert len(steps.memo) == 2  # the additive mask and its grouped form, each made once per run
 
 
+CUDA_ATTENTION = {  # (program, q/k/v shapes, mask shape or None, the op the plan should hold)
+    "masked": (lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m, scale=0.3),
+               [(2, 4, 6, 8)] * 3, (2, 1, 6, 6), "sdpa_mask"),
+    "mask_wider_than_q": (lambda q, k, v, m: torch.softmax(q @ k.transpose(-1, -2) * 0.3 + m, -1) @ v,
+                          [(1, 4, 6, 8)] * 3, (3, 4, 6, 6), "softmax_attention"),
+    "per_key_mask": (lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m),
+                     [(2, 4, 6, 8)] * 3, (2, 1, 1, 6), "sdpa_mask"),
+    "written_out": (lambda q, k, v, m: torch.softmax(q @ k.transpose(-1, -2) * 0.3 + m, -1) @ v,
+                    [(2, 4, 6, 8)] * 3, (2, 1, 6, 6), "softmax_attention"),
+    "causal": (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+               [(2, 4, 6, 8), (2, 2, 6, 8), (2, 2, 6, 8)], None, "sdpa"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CUDA_ATTENTION))
+def test_the_cuda_steps_of_attention_match_eager(name):
+    """The runtime's CUDA branch for attention (steps.TorchSteps: what depends on shapes decided
+    when the step is made, the mask converted once per run; a written-out softmax keeps its NaN
+    rows), run on CPU tensors, since CI has no GPU."""
+    from egraph_compiler.steps import TorchSteps
+    fn, shapes, mask_shape, op = CUDA_ATTENTION[name]
+    torch.manual_seed(0)
+    args = [torch.randn(s) for s in shapes] + ([torch.randn(mask_shape)] if mask_shape else [])
+    if op == "softmax_attention":
+        args[3][0, 0, 2] = float("-inf")  # a row masked entirely: NaN, as softmax makes it
+    compiled = egraph_compiler.compile(fn, args)
+    node = next(k.output for k in compiled.plan.kernels if k.output.op == op)
+    env = {id(n): t for n, t in zip(compiled.plan.graph.inputs, args)}
+    steps = TorchSteps("cuda")
+    call = steps.step(node)
+    want = fn(*args)
+    for _ in range(2):
+        steps.memo = {}
+        got = call(env)
+        torch.testing.assert_close(got, want.expand(got.shape), atol=1e-5, rtol=1e-5, equal_nan=True)
+    assert want.isnan().any() == (op == "softmax_attention")  # (NaN where expected, and nowhere else)
+
+
 TRANSPOSING = {  # a pointwise kernel that reads across rows: C++ runs it in tiles (codegen/cpp._tiled)
     "gelu_of_a_transpose": (lambda x: F.gelu(x, approximate="tanh").t() * 1.0, (1024, 96), torch.float32),
     "ragged_tiles": (lambda x: x.t().exp() - 1.0, (70, 45), torch.float32),
