@@ -183,7 +183,9 @@ def _convert(fx_node, env, where) -> object:
         reason = "an argument or form the op table does not model"
         try:
             result = converter(*args, **kwargs)
-        except (ops.ShapeError, TypeError, ValueError, KeyError, ArithmeticError):
+        except ops.ShapeError as exc:  # (sdpa whose k and v disagree, which torch's CPU kernel takes)
+            result, reason = None, f"{reason}: {exc}"
+        except (TypeError, ValueError, KeyError, ArithmeticError):
             result = None  # a form of the op we do not model (sdpa over size-0 heads...): run it through ATen
     if isinstance(result, Node):
         result = _as_torch_types(result, fx_node.meta.get("val"))

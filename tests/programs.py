@@ -273,15 +273,18 @@ class _Ctx:
         return sizes.largest > _limit or (isinstance(value, torch.Tensor) and value.dim() > MAX_RANK)
 
     def _attention_unrunnable(self, expr: str) -> bool:
-        """Attention whose scores would be over the limit, or over empty tensors: eager torch 2.11's
-        CPU sdpa dies of SIGFPE on some of those under some thread counts (the soak's only crashes,
-        in the eager run, before any compile; empty attention has its own regression tests)."""
+        """Attention whose scores would be over the limit, or over empty tensors (eager torch 2.11's
+        CPU sdpa dies of SIGFPE on some of those under some thread counts: the soak's only crashes,
+        in the eager run, before any compile; empty attention has its own regression tests), or
+        with fewer keys than values (soak 9501, on CUDA: eager's CPU answer is no answer)."""
         m = re.search(r"scaled_dot_product_attention\((\w+), (\w+), (\w+)", expr)
         if m is None or not all(g in self.env for g in m.groups()):
             return False
-        q, k = self.env[m.group(1)], self.env[m.group(2)]
+        q, k, v = (self.env[g] for g in m.groups())
         if any(self.env[g].numel() == 0 for g in m.groups()):
             return True
+        if k.dim() > 1 and v.dim() > 1 and k.shape[-2] != v.shape[-2]:  # as many keys as values: torch's
+            return True  # CPU kernel does not check it (and gives a meaningless number), CUDA's refuse it
         rows = math.prod(q.shape[:-1]) if q.dim() > 1 else 1
         return rows * (k.shape[-2] if k.dim() > 1 else 1) > _limit
 

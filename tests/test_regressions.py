@@ -292,6 +292,18 @@ def test_attention_over_empty_heads_runs_through_aten():
     same(compiled, fn, q)
 
 
+def test_attention_with_fewer_keys_than_values_is_warned_with_the_shapes():
+    """torch's CPU sdpa takes k and v of different lengths and gives a number that means nothing
+    (its math kernel and CUDA's refuse them; soak 9501 on the H200): the op stays torch's, and
+    the warning says which shapes disagree, not only that the form is not modelled."""
+    fn = lambda q, k, v: F.scaled_dot_product_attention(q, k, v)  # noqa: E731
+    q, k, v = torch.rand(1, 8, 1, 8), torch.rand(1, 8, 1, 8), torch.rand(1, 8, 8, 8)
+    with pytest.warns(UserWarning, match=r"k \[1, 8, 1, 8\], v \[1, 8, 8, 8\] do not agree"):
+        compiled = egc.compile(fn, [q, k, v])
+    assert compiled.plan.fallbacks
+    same(compiled, fn, q, k, v)
+
+
 def test_row_kernels_with_vector_math_on_avx512_machines():
     """Wrong on an AVX-512 machine (g++ 13.3, glibc 2.39 vector math) until
     generated code left AVX-512 out; here as the soak found them."""
