@@ -45,7 +45,8 @@ class Executable:
         release = release_schedule(plan)
         verify_plan(plan, release)
         dense = frozenset([id(n) for n in self.graph.inputs] + [id(n) for n in nodes.values()])
-        self.steps = TorchSteps(target.device, dense)  # library calls, fallbacks and views (steps.py)
+        computed = frozenset(id(n) for k in plan.kernels for n in k.outputs)
+        self.steps = TorchSteps(target.device, dense, computed)  # library calls, fallbacks and views (steps.py)
         self.wrapper = _straight_line(self, {lk.name: lk for lk in loops}, nodes, release)
         self._run = self._runner(self.wrapper.names)
         bound = self.graph.bound

@@ -48,11 +48,12 @@ def torch_dtype(dtype: str) -> torch.dtype:
 class TorchSteps:
     """The callables, per node, that read a value out of a run's environment (id(node) -> tensor)."""
 
-    def __init__(self, device: str, dense: frozenset = frozenset()):
+    def __init__(self, device: str, dense: frozenset = frozenset(), computed: frozenset = frozenset()):
         """`dense`: the nodes whose tensors are always contiguous, of the node's shape (the
-        program's inputs, generated kernels' buffers): a view of one is the same view every call."""
+        program's inputs, generated kernels' buffers): a view of one is the same view every call;
+        `computed`: every node a kernel computes (a view chain reads the nearest one)."""
         self.device = device
-        self.dense = dense
+        self.dense, self.computed = dense, computed
         self.memo: dict = {}  # values one run shares between its steps (the runtime resets it per run)
         self.views: dict[int, dict] = {}  # a view's node -> {its base's layout: (size, stride, offset) | None}
         self._getters: dict[int, object] = {}
@@ -115,7 +116,8 @@ class TorchSteps:
                 viewed = value.untyped_storage().data_ptr() == source.untyped_storage().data_ptr()
                 seen[layout] = (value.shape, value.stride(),
                                 value.storage_offset() - source.storage_offset()) if viewed else False
-                if viewed and key in self.dense and source.is_contiguous():
+                if viewed and key in self.dense and source.is_contiguous() and \
+                        not self.computed.intersection(keys[:depth]):  # (no nearer one in another run's env)
                     fixed[:] = [key, seen[layout]]
             return value
         return view
