@@ -160,34 +160,14 @@ class TorchSteps:
         return lambda args: reference(args, attrs)
 
     def _linear(self, node: Node):
-        """A linear as one `addmm` (`mm` without a bias) into a new buffer, its input and result
-        seen as matrices: on the H200 box's host 21 us a call against `F.linear`'s 26-27 (torch
-        2.11, bfloat16, 3-d inputs).  A strided input, mixed dtypes or a bias that is not a
-        vector take `F.linear` (a scalar 0 bias, none: it would cost an extra kernel)."""
-        x, w, b = node.args
+        """`F.linear`, without a bias where the plan's is a scalar 0 (it would cost an extra kernel).
+        (`addmm`/`mm` into a buffer of our own, the input seen as a matrix, measured faster per
+        call in isolation on the H200 box's host, made LLaMA's forward 32% slower there: 3.66
+        against 2.77 ms, BENCHMARKS.md, eighth session.)"""
         linear = torch.nn.functional.linear
-        if b.op == "const" and b.attr("value") == 0:
-            bias, general = False, (lambda args: linear(args[0], args[1]))
-        else:
-            bias, general = True, (lambda args: linear(args[0], args[1], args[2]))
-        if len(x.shape) < 2 or len(w.shape) != 2 or (bias and len(b.shape) != 1) or \
-                len({x.dtype, w.dtype, node.dtype} | ({b.dtype} if bias else set())) != 1:
-            return general
-        inner = x.shape[-1]
-        rows = int(torch.Size(x.shape[:-1]).numel())
-        matrix, new = (rows, inner), empty((rows, w.shape[0]), torch_dtype(node.dtype), self.device)
-        shape, stride = node.shape, tuple(make_contiguous_strides_for(node.shape))
-        flat, matmul, addmm = len(x.shape) != 2, torch.mm, torch.addmm
-
-        def run(args):
-            x = args[0]
-            if not x.is_contiguous():
-                return general(args)
-            if flat:
-                x = reinterpret(x, matrix, (inner, 1), 0)
-            out = addmm(args[2], x, args[1].t(), out=new()) if bias else matmul(x, args[1].t(), out=new())
-            return reinterpret(out, shape, stride, 0) if flat else out
-        return run
+        if node.args[2].op == "const" and node.args[2].attr("value") == 0:
+            return lambda args: linear(args[0], args[1])
+        return lambda args: linear(args[0], args[1], args[2])
 
     def _masked_attention(self, node: Node):
         """sdpa with a mask on CUDA: the mask converted once per run for the layers that share it
