@@ -23,12 +23,13 @@ from . import ops
 from .errors import CaptureError
 from .converters import CONVERTERS
 from .convnets import CONVNETS
+from .forms import FORMS
 from .gradients import GRADIENTS
 from .indexing import INDEXING
 from .graph import TENSOR_SLOT, WEAK, Bound, ExternCall, Graph, Literal, Node, input_node
 
 aten = torch.ops.aten
-TABLE = CONVERTERS | INDEXING | GRADIENTS | CONVNETS  # every ATen op capture maps onto the op table
+TABLE = CONVERTERS | INDEXING | GRADIENTS | CONVNETS | FORMS  # every ATen op capture maps onto the op table
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))  # torch's frames are not the user's source
 

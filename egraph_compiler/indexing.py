@@ -36,8 +36,13 @@ def wrapped(i, n: int):
 def _index(x, indices):
     """x[i0, i1, ...] with integer tensors for x's first dims: x's rows (those dims flattened) picked
     by the flat index i0 * (n1 * ...) + i1 * ... (negative indices wrapped, as torch's), an
-    embedding; the index tensors broadcast together.  Bool masks, and indices after a full
-    slice (x[:, i]): ATen."""
+    embedding; the index tensors broadcast together.  After full slices (x[:, i], Falcon's
+    `qkv[..., [-2], :]`) the indexed dims are moved to the front and the picked ones back to
+    where the first of them was, as torch places them.  Bool masks, and indices with a full
+    slice between them: ATen."""
+    lead = next((k for k, i in enumerate(indices) if i is not None), len(indices))
+    if lead:
+        return _index_after_slices(x, list(indices[lead:]), lead)
     if (not indices or len(indices) > len(x.shape)
             or any(i is None or i.dtype not in ops.INTEGERS for i in indices)):
         return None
@@ -50,6 +55,19 @@ def _index(x, indices):
         flat = term if flat is None else Node.make("add", (flat, term))
     picked = Node.make("embedding", (_reshape(x, [math.prod(dims), math.prod(rest)]), flat))
     return _reshape(picked, list(flat.shape) + list(rest))
+
+
+def _index_after_slices(x, indices, lead: int):
+    rank, count = len(x.shape), len(indices)
+    if not indices or lead + count > rank or any(i is None for i in indices):
+        return None
+    order = tuple(range(lead, lead + count)) + tuple(range(lead)) + tuple(range(lead + count, rank))
+    picked = _index(Node.make("permute", (x,), {"dims": order}), indices)
+    if picked is None:
+        return None
+    k = len(picked.shape) - (rank - count)  # the index tensors' broadcast dims, now in front
+    back = tuple(range(k, k + lead)) + tuple(range(k)) + tuple(range(k + lead, len(picked.shape)))
+    return Node.make("permute", (picked,), {"dims": back})
 
 
 def _cumsum(x, dim, dtype=None):

@@ -1,0 +1,83 @@
+"""Converters for ATen ops that are the op table's ops written another way, as real
+models write them (the transformers sweep: DeBERTa's clamps and ceil, Persimmon's
+square, GPT-J's and CodeGen's stacked rotary halves, Falcon's `x[:, [i]]`, Mixtral's
+`torch.greater`):
+
+- `minimum(a, b)` is `-maximum(-a, -b)` for floats (negation is exact and keeps NaN,
+  which `maximum` propagates as torch does) and `where(a < b, a, b)` for integers (their
+  `maximum` likewise: generated code has none);
+- `clamp(x, lo, hi)` is `minimum(maximum(x, lo), hi)`, torch's own definition (a lower
+  bound above the upper gives the upper), `clamp_max` the `minimum`;
+- `ceil(x)` is `-floor(-x)`, exact (integers are their own ceiling);
+- `square(x)` is `x * x`; `stack` is an unsqueeze of each tensor and a cat;
+- `greater`, `less_equal`... are `gt`, `le`...
+
+capture.py reads this table with converters.py's."""
+from __future__ import annotations
+
+import torch
+
+from . import ops
+from .converters import _binary, _cat, _t, _unsqueeze
+from .graph import Node, const
+
+aten = torch.ops.aten
+
+
+def _negated(x):
+    return const(-float(x)) if not isinstance(x, Node) else Node.make("neg", (x,))
+
+
+def _integer(x) -> bool:
+    return isinstance(x, Node) and x.dtype in ops.INTEGERS
+
+
+def _minimum(a, b):
+    if any(isinstance(x, Node) and x.dtype == "bool" for x in (a, b)):
+        return None
+    if _integer(a) and (_integer(b) or isinstance(b, int)):
+        return Node.make("where", (Node.make("lt", (a, _t(b))), a, _t(b)))
+    if _integer(a) or _integer(b):  # (an integer tensor against a float: torch promotes; ATen)
+        return None
+    return Node.make("neg", (Node.make("maximum", (_negated(a), _negated(b))),))
+
+
+def _maximum(a, b):
+    if _integer(a) and (_integer(b) or isinstance(b, int)):  # (generated code has no integer maximum)
+        return Node.make("where", (Node.make("lt", (a, _t(b))), _t(b), a))
+    return _binary("maximum")(a, b)
+
+
+def _clamp(x, min=None, max=None):
+    out = x
+    if min is not None:
+        out = _maximum(out, min)
+    return _minimum(out, max) if max is not None else out
+
+
+def _ceil(x):
+    if x.dtype in ops.INTEGERS:
+        return x
+    return Node.make("neg", (Node.make("floor", (Node.make("neg", (x,)),)),))
+
+
+def _stack(tensors, dim=0):
+    if not tensors or len({t.shape for t in tensors}) != 1:
+        return None
+    return _cat([_unsqueeze(t, dim) for t in tensors], dim)
+
+
+FORMS = {
+    aten.minimum.default: _minimum, aten.maximum.default: _maximum, aten.clamp_min.default: _maximum,
+    aten.clamp.default: _clamp, aten.clamp.Tensor: _clamp,
+    aten.clamp_max.default: _minimum, aten.clamp_max.Tensor: _minimum,
+    aten.clamp_min.Tensor: _maximum,
+    aten.ceil.default: _ceil,
+    aten.square.default: lambda x: Node.make("mul", (x, x)),
+    aten.stack.default: _stack,
+}
+for _alias, _name in [("greater", "gt"), ("greater_equal", "ge"), ("less", "lt"), ("less_equal", "le"),
+                      ("not_equal", "ne")]:
+    for _overload in ("Tensor", "Scalar"):
+        if hasattr(getattr(aten, _alias), _overload):
+            FORMS[getattr(getattr(aten, _alias), _overload)] = _binary(_name)

@@ -1,0 +1,63 @@
+"""Ops that real models write which the op table holds in another form (forms.py and
+indexing.py): each compiles with no ATen fallback and matches eager, on the C++ target and
+under the Triton interpreter, for floats with NaN, integers and bfloat16."""
+import pytest
+import torch
+
+import egraph_compiler as egc
+
+torch.manual_seed(0)
+X = torch.randn(3, 5, 4)
+X[0, 0, 0] = float("nan")
+X[1, 2, 3] = float("-inf")
+I = torch.randint(-10, 10, (3, 5, 4))
+
+CASES = {  # name: (program, inputs)
+    "minimum": (lambda a, b: torch.minimum(a, b), [X, torch.randn(5, 4)]),
+    "minimum_integers": (lambda a, b: torch.minimum(a, b), [I, torch.randint(-5, 5, (5, 4))]),
+    "maximum_integers": (lambda a, b: torch.maximum(a, b) + 1, [I, torch.randint(-5, 5, (5, 4))]),
+    "clamp": (lambda a: torch.clamp(a, -0.5, 0.5), [X]),
+    "clamp_integers": (lambda a: torch.clamp(a, -3, 4) * 2, [I]),
+    "clamp_bounds_crossed": (lambda a: torch.clamp(a, 0.5, -0.5), [X]),
+    "clamp_max": (lambda a: a.clamp(max=0.3), [X]),
+    "clamp_min_integers": (lambda a: a.clamp(min=-2), [I]),
+    "clamp_by_tensors": (lambda a, lo, hi: torch.clamp(a, lo, hi), [X, torch.randn(4) - 1, torch.randn(4) + 1]),
+    "ceil": (lambda a: torch.ceil(a * 3), [X]),
+    "ceil_integers": (lambda a: torch.ceil(a) - 1, [I]),
+    "square": (lambda a: torch.square(a) - a, [X]),
+    "stack_last": (lambda a: torch.stack((a, -a), -1).flatten(-2), [X]),  # GPT-J's rotate_every_two
+    "stack_first": (lambda a, b: torch.stack([a, b]), [X, X * 2]),
+    "comparison_aliases": (lambda a: torch.greater(a, 0).float() + torch.less_equal(a, 0.5).float()
+                           - torch.not_equal(a, 1.0).float(), [X]),
+    "index_after_a_slice": (lambda a: a[:, [-2]] * 2, [X]),  # Falcon's qkv[..., [-2], :]
+    "index_after_two_slices": (lambda a: a[:, :, [3, 0, 1]] * 2, [X]),
+    "index_by_a_matrix_after_a_slice": (lambda a, i: a[:, i] + 1, [X, torch.tensor([[1, -1], [0, 4]])]),
+}
+
+
+@pytest.mark.parametrize("target", ["cpu", "triton"])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_written_forms_compile_without_fallback(name, target):
+    fn, inputs = CASES[name]
+    compiled = egc.compile(fn, inputs, target=target)
+    assert not compiled.plan.fallbacks, compiled.plan.fallbacks
+    got, want = compiled(*inputs), fn(*inputs)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    torch.testing.assert_close(got, want, equal_nan=True, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("target", ["cpu", "triton"])
+def test_clamp_and_ceil_in_bfloat16(target):
+    fn = lambda a: torch.clamp(a, -0.5, 0.5) * 2 + torch.ceil(a)  # noqa: E731
+    x = X.bfloat16()
+    compiled = egc.compile(fn, [x], target=target)
+    assert not compiled.plan.fallbacks
+    want = fn(x.double())  # (eager's bf16 rounds each step; ours once: both within bf16's step of this)
+    torch.testing.assert_close(compiled(x).double(), want, equal_nan=True, rtol=8e-3, atol=8e-3)
+
+
+def test_an_index_out_of_range_after_a_slice_raises():
+    fn = lambda a, i: a[:, i]  # noqa: E731
+    compiled = egc.compile(fn, [X, torch.tensor([1, 2])])
+    with pytest.raises(IndexError):
+        compiled(X, torch.tensor([1, 5]))
