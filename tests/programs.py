@@ -350,6 +350,7 @@ UNARY_FLOAT = [
     "F.gelu({x}, approximate='tanh')", "F.silu({x})", "torch.rsqrt({x}.abs() + 0.5)",
     "{x} * {c}", "{x} + {c}", "{c} - {x}", "{x} / {c}", "{x} ** 2", "{x} ** 3", "({x}.abs() + 0.5) ** {p}",
     "torch.pow(2.0, torch.tanh({x}))", "{x}.clamp(min={c})", "torch.sigmoid({x}) * {x}",
+    "{x}.clamp(-1.5, 0.5)", "{x}.clamp(max={c})", "torch.ceil({x} * 2)", "torch.square({x})",
 ]
 BINARY_FLOAT = ["{x} + {y}", "{x} - {y}", "{x} * {y}", "{x} / ({y}.abs() + 1.0)", "torch.maximum({x}, {y})",
                 "{y} - {x}", "({x}.abs() + 0.5) ** torch.tanh({y})"]
@@ -618,7 +619,15 @@ def _aten(c: _Ctx, x: Val):
     if r == 0:
         return c.emit(f"torch.sin({n})", x)
     d = _dim(c.d, r)
-    form = c.d.choice(["cat", "flip", "cumsum", "minimum", "split", "chunk", "squeeze_all", "sin", "reciprocal"])
+    form = c.d.choice(["cat", "flip", "cumsum", "minimum", "split", "chunk", "squeeze_all", "sin", "reciprocal",
+                       "stack", "index_list", "greater"])
+    if form == "stack":  # (GPT-J's rotary halves)
+        return c.emit(f"torch.stack(({n}, -{n}), dim={d})", x)
+    if form == "index_list" and x.shape[d % r] >= 1:  # (Falcon's qkv[..., [-2], :])
+        k = c.d.integer(0, x.shape[d % r] - 1)
+        return c.emit(f"{n}[{':, ' * (d % r)}[{k}, -1]]", x)
+    if form == "greater":
+        return c.emit(f"torch.greater({n}, {c.d.choice(CONSTS)})", x)
     if form == "cat":
         y = c.partner(lambda v: v.dtype == x.dtype and v.rank == r
                       and all(a == b for k, (a, b) in enumerate(zip(v.shape, x.shape)) if k != d % r)) or x

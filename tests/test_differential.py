@@ -91,7 +91,8 @@ COVERAGE = ["torch.exp(", "torch.tanh(", "torch.sigmoid(", "torch.relu(", ".abs(
             ".t()", ".contiguous()", ".select(", "softmax(", "log_softmax(", "F.layer_norm(", "F.rms_norm(",
             " @ ", "F.linear(", "F.scaled_dot_product_attention(", "is_causal=True", "attn_mask=", ".float()",
             ".double()", "torch.randint(", "generator=g) > 0.5", "torch.float64", "torch.cat(", "torch.mm(",
-            "torch.addmm(", "torch.bmm(", ".split(", "torch.cumsum(", "'out0'", "return (", "return [", ".unflatten("]
+            "torch.addmm(", "torch.bmm(", ".split(", "torch.cumsum(", "'out0'", "return (", "return [", ".unflatten(",
+            "torch.stack(", "torch.ceil(", "torch.square(", ".clamp(max=", "torch.greater(", "torch.minimum(", ", -1]]"]
 
 
 def test_generator_covers_the_op_table_without_replacing_steps():
