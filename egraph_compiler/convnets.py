@@ -161,7 +161,20 @@ def _copy(x, src, non_blocking=False):
     return _expand(_cast(src, x.dtype), list(x.shape))
 
 
+def _upsample_bilinear2d(x, size, align_corners, scales_h=None, scales_w=None):
+    """To a size; given scales (which torch uses in the coordinate mapping itself), or an input
+    other than float32/bf16/fp16: ATen."""
+    if size is None or scales_h is not None or scales_w is not None or \
+            x.dtype not in ("float32", "bfloat16", "float16"):
+        return None
+    return Node.make("upsample_bilinear2d", (x,), {"size": tuple(int(s) for s in size),
+                                                   "align_corners": bool(align_corners)})
+
+
 CONVNETS = {
+    aten.upsample_bilinear2d.default: _upsample_bilinear2d,
+    aten.upsample_bilinear2d.vec: lambda x, size, align_corners, scales: _upsample_bilinear2d(
+        x, size, align_corners) if scales is None else None,
     aten.convolution.default: _convolution, aten.conv1d.default: _conv1d,
     aten.convolution_backward.default: _convolution_backward,
     aten._native_batch_norm_legit_no_training.default: _batch_norm_inference,

@@ -182,6 +182,13 @@ def conv2d_shape(shapes, a):
     return (x[0], w[0], *out)
 
 
+def upsample_shape(shapes, a):
+    (x,) = shapes
+    if len(x) != 4 or len(a["size"]) != 2 or min(a["size"]) < 1:
+        raise ShapeError(f"upsample_bilinear2d: input {list(x)} is not [N, C, H, W] or size {list(a['size'])} is not 2 sizes")
+    return (*x[:-2], *a["size"])
+
+
 def max_pool2d_shape(shapes, a):
     (x,) = shapes
     if len(x) not in (3, 4):
@@ -338,6 +345,9 @@ _op("max_pool2d_indices", "library", 1, _POOL + [("dtype", "str")], max_pool2d_s
     library.max_pool2d_indices, "attr")
 _op("max_pool2d_grad", "library", 3, _POOL, lambda shapes, a: tuple(shapes[1]), 1, library.max_pool2d_grad, "first")
 _op("cumsum", "library", 1, [("dim", "int")], same_shape, 1, lambda t, a: torch.cumsum(t[0], a["dim"]), "first")
+# bilinear resampling of [N, C, H, W] to a size (BEiT's relative position bias table)
+_op("upsample_bilinear2d", "library", 1, [("size", "ints"), ("align_corners", "bool")], upsample_shape, 8,
+    lambda t, a: F.interpolate(t[0], size=a["size"], mode="bilinear", align_corners=a["align_corners"]), "first")
 _op("sdpa", "library", 3, [("scale", "float"), ("causal", "bool")], sdpa_shape, 4, library.sdpa)
 _op("sdpa_mask", "library", 4, [("scale", "float"), ("causal", "bool")], sdpa_shape, 4, library.sdpa)
 _op("softmax_attention", "library", 4, [("scale", "float"), ("causal", "bool")], sdpa_shape, 4,

@@ -1,8 +1,10 @@
 """Ops that real models write which the op table holds in another form (forms.py and
 indexing.py): each compiles with no ATen fallback and matches eager, on the C++ target and
-under the Triton interpreter, for floats with NaN, integers and bfloat16."""
+under the Triton interpreter, for floats with NaN, integers and bfloat16.  And bilinear
+resampling to a size, a library call (BEiT)."""
 import pytest
 import torch
+import torch.nn.functional as F
 
 import egraph_compiler as egc
 
@@ -61,3 +63,25 @@ def test_an_index_out_of_range_after_a_slice_raises():
     compiled = egc.compile(fn, [X, torch.tensor([1, 2])])
     with pytest.raises(IndexError):
         compiled(X, torch.tensor([1, 5]))
+
+
+@pytest.mark.parametrize("target", ["cpu", "triton"])
+@pytest.mark.parametrize("align_corners", [False, True])
+@pytest.mark.parametrize("size", [(9, 11), (3, 4)])
+def test_bilinear_resampling_to_a_size_is_a_library_call(size, align_corners, target):
+    """BEiT resamples its relative position bias table with F.interpolate in every layer."""
+    fn = lambda a: F.interpolate(a, size=size, mode="bilinear", align_corners=align_corners) * 2  # noqa: E731
+    x = torch.randn(2, 3, 5, 7)
+    compiled = egc.compile(fn, [x], target=target)
+    assert not compiled.plan.fallbacks
+    assert any(k.output.op == "upsample_bilinear2d" for k in compiled.plan.kernels)
+    torch.testing.assert_close(compiled(x), fn(x))
+
+
+def test_bilinear_resampling_by_a_scale_stays_in_aten_and_says_so():
+    """torch maps coordinates with a given scale itself, not with the size it makes: ATen, warned."""
+    fn = lambda a: F.interpolate(a, scale_factor=1.5, mode="bilinear")  # noqa: E731
+    x = torch.randn(1, 3, 5, 7)
+    with pytest.warns(UserWarning, match="upsample_bilinear2d"):
+        compiled = egc.compile(fn, [x])
+    torch.testing.assert_close(compiled(x), fn(x))
