@@ -178,7 +178,7 @@ class TorchSteps:
         key = ("mask", id(node.args[3]), node.args[0].dtype, keys)  # each layer's sdpa reads one mask
         m_dim = max(len(m_shape), 2)  # (as fused_kernel_mask leaves it)
         groups = q_shape[-3] // k_shape[-3] if ops.gqa(q_shape, k_shape, v_shape) else 0
-        if not (groups and len(q_shape) == 4 and not node.attr("causal")
+        if not (groups and len(q_shape) == 4 and not node.attr("causal") and m_dim <= 4
                 and (m_dim < 4 or m_shape[0] in (1, q_shape[0]))):
             groups = 0
         group_key = key + (groups, rows)
