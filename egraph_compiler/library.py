@@ -66,9 +66,11 @@ def sdpa(t, a, prepared: bool = False):
     if mask is not None and mask.dim() < 2:  # a scalar or per-key mask (rules may leave one): torch wants [..., L, S]
         mask = mask.expand(1, k.shape[-2])
     grouped = gqa(q.shape, k.shape, v.shape)
-    if mask is not None:  # torch refuses a mask with more batch than q: broadcast q, k and v to it
-        shapes = _attention_shapes(q.shape, k.shape, v.shape, mask.shape, grouped)
-        q, k, v = (x if shape == x.shape else x.expand(shape) for x, shape in zip((q, k, v), shapes))
+    # torch refuses a mask with more batch than q, and over an empty batch returns q's: q, k and v
+    # broadcast to their joint batch and the mask's
+    shapes = _attention_shapes(q.shape, k.shape, v.shape, mask.shape if mask is not None else (1, k.shape[-2]),
+                               grouped)
+    q, k, v = (x if shape == x.shape else x.expand(shape) for x, shape in zip((q, k, v), shapes))
 
     def call(q, k, v):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=a["causal"], scale=a["scale"],
@@ -109,9 +111,9 @@ def attention(shapes: list, a: dict, cuda: bool):
     masked, per_key = len(shapes) > 3, len(shapes) > 3 and len(shapes[3]) < 2
     if keys == 0:
         return lambda t: sdpa(t, a)
-    wanted = (qs, ks, vs)
-    if masked:  # torch refuses a mask with more batch than q: q, k and v broadcast to it
-        wanted = _attention_shapes(qs, ks, vs, (1, keys) if per_key else tuple(shapes[3]), grouped)
+    # q, k and v broadcast to their joint batch and the mask's: torch refuses a mask with more batch
+    # than q, and over an empty batch returns q's (soak 9504: [0, 1, 1, 1] for heads broadcast to 2)
+    wanted = _attention_shapes(qs, ks, vs, tuple(shapes[3]) if masked and not per_key else (1, keys), grouped)
     expand = [tuple(w) if tuple(w) != tuple(x) else None for w, x in zip(wanted, (qs, ks, vs))]
     causal, scale = a["causal"], a["scale"]
     sdpa_ = F.scaled_dot_product_attention

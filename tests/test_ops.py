@@ -192,6 +192,10 @@ CASES: list[OpCase] = [
     C("max_pool2d_overlapping_padded_ceil", "max_pool2d",  # ResNet's stem: 3x3, stride 2, padding 1
       lambda x: (F.max_pool2d(x, 3, 2, 1), F.max_pool2d(x * 2, (2, 3), (2, 1), ceil_mode=True),
                  F.max_pool2d(x, 2, dilation=2)), lambda: (randn(2, 3, 9, 8),)),
+    C("upsample_bilinear2d_up_and_down", "upsample_bilinear2d",  # BEiT's relative position bias table
+      lambda x: (F.interpolate(x, size=(9, 11), mode="bilinear"),
+                 F.interpolate(x * 2, size=(3, 4), mode="bilinear", align_corners=True)),
+      lambda: (randn(2, 3, 5, 7),)),
     C("max_pool2d_with_indices_as_training_has_it", "max_pool2d_indices",
       lambda x: torch.ops.aten.max_pool2d_with_indices(x, [3, 2], [2, 2], [1, 1], [1, 1], True),
       lambda: (randn(2, 3, 7, 6),)),

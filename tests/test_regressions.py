@@ -797,3 +797,16 @@ def test_attention_over_no_keys_broadcasts_its_batch():
     assert compiled.plan.count("sdpa") == 1, compiled.plan
     for _ in range(3):
         same(compiled, fn, q, x)
+
+
+@pytest.mark.parametrize("target", ["cpu", "triton"])
+def test_attention_over_an_empty_batch_broadcasts_its_heads(target):
+    """softmax(q k^T) v with q's one head broadcast against k's two, over an empty batch (soak,
+    seed 9504): the rules make it one sdpa, and torch's CPU sdpa returns q's shape [0, 1, 1, 1]
+    over an empty batch, not the broadcast [0, 2, 1, 1] (which it does give for a batch of 3):
+    the step raised where the plan has the broadcast shape.  q, k and v are now broadcast first."""
+    fn = lambda q, k, v: torch.softmax(q @ k.transpose(-1, -2), -1) @ v  # noqa: E731
+    for batch in (0, 3):
+        args = [torch.randn(batch, 1, 1, 4), torch.randn(batch, 2, 2, 4), torch.randn(batch, 2, 2, 4)]
+        compiled = egc.compile(fn, args, target=target)
+        same(compiled, fn, *args)
