@@ -226,8 +226,9 @@ def _check_externs(graph: Graph, strict: bool) -> None:
 
 
 def _warn_fallbacks(plan: Plan) -> None:
+    """Each fallback once per process for each op, reason and source line: a model's layers share a
+    line (one warning), a second model or function reaching the op elsewhere is warned again."""
     for entry in plan.fallbacks:
-        name = entry.split(" (")[0]
-        if name not in _warned:
-            _warned.add(name)
+        if entry not in _warned:
+            _warned.add(entry)
             warnings.warn(f"egraph-compiler: {entry} runs through ATen (listed in plan.fallbacks)", stacklevel=4)

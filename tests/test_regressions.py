@@ -810,3 +810,17 @@ def test_attention_over_an_empty_batch_broadcasts_its_heads(target):
         args = [torch.randn(batch, 1, 1, 4), torch.randn(batch, 2, 2, 4), torch.randn(batch, 2, 2, 4)]
         compiled = egc.compile(fn, args, target=target)
         same(compiled, fn, *args)
+
+
+def test_a_fallback_reached_from_another_line_is_warned_again():
+    """Fallback warnings were kept once per op name for the process: a second function hitting the
+    same op elsewhere fell back silently (found by the outsider sweep).  Now once per op and line."""
+    first = lambda x: torch.flip(x, (0,)) + 1  # noqa: E731
+    second = lambda x: torch.flip(x, (1,)) * 2  # noqa: E731
+    x = torch.randn(3, 4)
+    for fn in (first, second):
+        with pytest.warns(UserWarning, match="flip"):
+            egc.compile(fn, [x])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same line again: no second warning
+        egc.compile(first, [x + 1])
