@@ -32,19 +32,29 @@ def _integer(x) -> bool:
     return isinstance(x, Node) and x.dtype in ops.INTEGERS
 
 
+def _integers(a, b) -> bool:
+    return _integer(a) and (_integer(b) or isinstance(b, int))
+
+
+def _picked(a, b, smaller: bool):
+    """The smaller (or larger) of two integers, by a comparison."""
+    less = Node.make("lt", (a, _t(b)))
+    return Node.make("where", (less, a, _t(b)) if smaller else (less, _t(b), a))
+
+
 def _minimum(a, b):
     if any(isinstance(x, Node) and x.dtype == "bool" for x in (a, b)):
         return None
-    if _integer(a) and (_integer(b) or isinstance(b, int)):
-        return Node.make("where", (Node.make("lt", (a, _t(b))), a, _t(b)))
+    if _integers(a, b):
+        return _picked(a, b, smaller=True)
     if _integer(a) or _integer(b):  # (an integer tensor against a float: torch promotes; ATen)
         return None
     return Node.make("neg", (Node.make("maximum", (_negated(a), _negated(b))),))
 
 
 def _maximum(a, b):
-    if _integer(a) and (_integer(b) or isinstance(b, int)):  # (generated code has no integer maximum)
-        return Node.make("where", (Node.make("lt", (a, _t(b))), _t(b), a))
+    if _integers(a, b):  # (generated code has no integer maximum)
+        return _picked(a, b, smaller=False)
     return _binary("maximum")(a, b)
 
 

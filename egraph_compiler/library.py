@@ -66,11 +66,8 @@ def sdpa(t, a, prepared: bool = False):
     if mask is not None and mask.dim() < 2:  # a scalar or per-key mask (rules may leave one): torch wants [..., L, S]
         mask = mask.expand(1, k.shape[-2])
     grouped = gqa(q.shape, k.shape, v.shape)
-    # torch refuses a mask with more batch than q, and over an empty batch returns q's: q, k and v
-    # broadcast to their joint batch and the mask's
-    shapes = _attention_shapes(q.shape, k.shape, v.shape, mask.shape if mask is not None else (1, k.shape[-2]),
-                               grouped)
-    q, k, v = (x if shape == x.shape else x.expand(shape) for x, shape in zip((q, k, v), shapes))
+    expand = _expansions(q.shape, k.shape, v.shape, mask.shape if mask is not None else None, grouped)
+    q, k, v = (x if shape is None else x.expand(shape) for x, shape in zip((q, k, v), expand))
 
     def call(q, k, v):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=a["causal"], scale=a["scale"],
@@ -111,10 +108,7 @@ def attention(shapes: list, a: dict, cuda: bool):
     masked, per_key = len(shapes) > 3, len(shapes) > 3 and len(shapes[3]) < 2
     if keys == 0:
         return lambda t: sdpa(t, a)
-    # q, k and v broadcast to their joint batch and the mask's: torch refuses a mask with more batch
-    # than q, and over an empty batch returns q's (soak 9504: [0, 1, 1, 1] for heads broadcast to 2)
-    wanted = _attention_shapes(qs, ks, vs, tuple(shapes[3]) if masked and not per_key else (1, keys), grouped)
-    expand = [tuple(w) if tuple(w) != tuple(x) else None for w, x in zip(wanted, (qs, ks, vs))]
+    expand = _expansions(qs, ks, vs, shapes[3] if masked else None, grouped)
     causal, scale = a["causal"], a["scale"]
     sdpa_ = F.scaled_dot_product_attention
 
@@ -156,6 +150,15 @@ def fully_masked_rows(mask, keys: int):
 
 def nan_rows(rows, out):
     return out if rows is None else torch.where(rows, float("nan"), out)
+
+
+def _expansions(qs, ks, vs, mask_shape, grouped: bool) -> list:
+    """The shapes q, k and v are expanded to before torch's sdpa (None: as they are): their joint
+    batch and the mask's.  torch refuses a mask with more batch than q, and over an empty batch
+    returns q's shape (soak 9504: [0, 1, 1, 1] for heads broadcast to 2)."""
+    mask_shape = tuple(mask_shape) if mask_shape is not None and len(mask_shape) >= 2 else (1, ks[-2])
+    wanted = _attention_shapes(tuple(qs), tuple(ks), tuple(vs), mask_shape, grouped)
+    return [tuple(w) if tuple(w) != tuple(x) else None for w, x in zip(wanted, (qs, ks, vs))]
 
 
 @functools.lru_cache(maxsize=1024)
