@@ -25,7 +25,7 @@ from egraph_compiler.cache import cache_dir
 from egraph_compiler.errors import EgraphCompilerError, IndexOutOfRange
 from egraph_compiler.loopir import ERROR_FLAG, STASH, Affine, Load, LoopKernel, has_gather, substitute, variables
 
-from . import triton_split
+from . import triton_split, triton_tune
 from .walker import Target, render_expr, render_index
 
 PERSISTENT_MAX = 32768  # longest row kept in registers (87-91% of copy bandwidth at 16k on an H200)
@@ -272,7 +272,7 @@ def _import(source: str):
     return module
 
 
-def load(source: str, kernels: list[LoopKernel]):
+def load(source: str, kernels: list[LoopKernel], autotune: bool = False):
     """Write the module into the cache (Triton reads a kernel's source from its
     file), import it, and wrap each kernel as a launch over its grid."""
     share_triton_cache()
@@ -281,17 +281,26 @@ def load(source: str, kernels: list[LoopKernel]):
     from .triton_build import WARM_MIN_KERNELS, WORKERS_ENV, warm_in_parallel
     if (compiled_now and len(kernels) >= WARM_MIN_KERNELS and os.environ.get(WORKERS_ENV, "8") != "0"
             and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")):
-        warm_in_parallel(source, kernels)
+        warm_in_parallel(source, kernels, triton_tune.enabled(autotune))
     calls = {}
+    tune = triton_tune.enabled(autotune)
     for k in kernels:
         shape = _Kernel(k)
-        options = launch_options(k, shape)
         if shape.split > 1:
-            run = triton_split.launcher(module, k, shape, options)
+            run = triton_split.launcher(module, k, shape, launch_options(k, shape))
+        elif tune:  # block sizes and warps settled at the first launch (triton_tune.py)
+            run = triton_tune.Tuned(functools.partial(_configured_launch, getattr(module, k.name), k, shape),
+                                    shape, shape.render(), k.name)
         else:
-            run = _direct(getattr(module, k.name), shape.grid(), options)
+            run = _direct(getattr(module, k.name), shape.grid(), launch_options(k, shape))
         calls[k.name] = _checked(run, k.name) if has_gather(k) else (lambda *tensors, run=run: run(tensors, ()))
+        calls[k.name].tuned = run if isinstance(run, triton_tune.Tuned) else None  # (Executable.launch_configs)
     return calls, compiled_now
+
+
+def _configured_launch(fn, k: LoopKernel, shape: "_Kernel", config):
+    tuned = triton_tune.configured(shape, config)
+    return _direct(fn, tuned.grid(), launch_options(k, tuned))
 
 
 def _direct(fn, grid, options):
@@ -403,7 +412,7 @@ def _checked(run, name: str):
 
 
 TABLE = Target(name="cuda", device="cuda", render=render_program, kernel_source=lambda k: _Kernel(k).render(),
-               load=load, **_FIELDS)
+               load=load, tunes=True, **_FIELDS)
 
 
 def make_target(name: str, device: str) -> Target:

@@ -35,6 +35,7 @@ class Target:
     row: str = ""  # a gather's row, checked and clamped: format over {row}, {rows}, {err} (loopir.Gather)
     # (source, loop kernels) -> ({kernel name: callable over torch tensors, inputs then outputs}, compiled_now)
     load: Callable = None
+    tunes: bool = False  # its load takes `autotune=` (launch configurations timed at the first launch)
 
     def generates(self, dtype: str) -> bool:
         return dtype in self.dtypes

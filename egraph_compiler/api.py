@@ -51,6 +51,11 @@ class CompiledFunction:
             self._trainer = torch.compile(self._fn, backend=backend, dynamic=False)
         return self._trainer(*args)
 
+    def launch_configs(self) -> dict:
+        """The Triton kernels' tuned block sizes and warps, with each candidate's time
+        (Executable.launch_configs)."""
+        return self._executable.launch_configs()
+
     @property
     def cuda_graph(self) -> str | None:
         """None without `cuda_graphs=True` on the cuda target; else "recorded",
@@ -79,7 +84,7 @@ def compile(fn, example_inputs, *, target=None, rules=(), disable=(), unsafe=Fal
             iter_limit=30, node_limit=50_000, time_limit=10.0, strict=False, extraction="greedy",
             ilp_time_limit=5.0, profile=None, dot=False, trust_rules=False, cuda_graphs=False,
             alias_inputs=False, progress=None, report=None, keep_egraph=False, cache=None,
-            lend_outputs=None) -> CompiledFunction:
+            lend_outputs=None, autotune=False) -> CompiledFunction:
     """Compile a function or nn.Module for inputs shaped like `example_inputs`.
 
     rules: extra rule files (paths) or rule text added to the library.
@@ -96,6 +101,10 @@ def compile(fn, example_inputs, *, target=None, rules=(), disable=(), unsafe=Fal
     cuda_graphs: on the cuda target, record the program into a CUDA graph on its
     second call and replay it after that (inputs copied in, outputs copied out;
     see graphs.py); ignored on other targets.
+    autotune: time a few block sizes and warps for each Triton kernel at its first
+    launch and keep the fastest on disk, so that a later compile of the same kernel
+    uses it without timing (codegen/triton_tune.py; the EGC_AUTOTUNE environment
+    variable, 1 or 0, overrides it); without it, the renderer's heuristic sizes.
     lend_outputs: with cuda_graphs, the position in the results from which on
     outputs are the graph's own buffers instead of copies; while the caller holds
     any of them, a call runs without the graph (a training forward lends the
@@ -121,11 +130,11 @@ def compile(fn, example_inputs, *, target=None, rules=(), disable=(), unsafe=Fal
                       profile=profile, extraction=extraction, ilp_time_limit=ilp_time_limit, dot=dot,
                       trust_rules=trust_rules, cuda_graphs=cuda_graphs, alias_inputs=alias_inputs, progress=progress,
                       keep_egraph=bool(keep_egraph or report or os.environ.get(REPORT_ENV)), cache=cache,
-                      lend_outputs=lend_outputs)
+                      lend_outputs=lend_outputs, autotune=autotune)
     kwargs = dict(target=target, rules=rules, disable=disable, unsafe=unsafe, iter_limit=iter_limit,
                   node_limit=node_limit, time_limit=time_limit, strict=strict, extraction=extraction,
                   ilp_time_limit=ilp_time_limit, profile=profile, trust_rules=trust_rules, cuda_graphs=cuda_graphs,
-                  alias_inputs=alias_inputs, cache=cache)
+                  alias_inputs=alias_inputs, cache=cache, autotune=autotune)
     compiled = CompiledFunction(*run_pipeline(fn, example_inputs, options), fn=fn, options=kwargs)
     if report:
         compiled.write_report(report)
@@ -202,13 +211,16 @@ def dynamo_backend(gm, example_inputs, **kwargs):
     not kernel arguments yet), and a size seen before reuses its program.
     `torch.compile(..., options={...})` passes `compile`'s keyword arguments
     (target, rules, disable, ...); `mode="reduce-overhead"` (and "max-autotune")
-    turns on CUDA graphs (`cuda_graphs=True`), other modes have no effect.
+    turns on CUDA graphs (`cuda_graphs=True`), "max-autotune" also tuned Triton
+    launch configurations (`autotune=True`); other modes have no effect.
     A graph that needs gradients goes through AOTAutograd (training.py): its
     forward and backward graphs are compiled the same way."""
     mode = kwargs.get("mode")
     kwargs = {k: v for k, v in kwargs.items() if k not in ("options", "mode")} | dict(kwargs.get("options") or {})
     if mode in ("reduce-overhead", "max-autotune") and "cuda_graphs" not in kwargs:
         kwargs["cuda_graphs"] = True  # as Inductor's modes do: CUDA graphs on the cuda target
+    if mode == "max-autotune" and "autotune" not in kwargs:
+        kwargs["autotune"] = True
     if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs):
         from .training import training_backend  # AOTAutograd: forward and backward graphs, each compiled
         return training_backend(gm, example_inputs,

@@ -55,6 +55,7 @@ class Options:
     dot: bool = False  # keep the saturated e-graph as Graphviz DOT text (levels.dot)
     trust_rules: bool = False  # skip the numerical check of user rules
     cuda_graphs: bool = False  # replay the program as one CUDA graph (cuda target; graphs.py)
+    autotune: bool = False  # time launch configurations of Triton kernels (codegen/triton_tune.py)
     alias_inputs: bool = False  # outputs that view an input are returned as views, not copies
     lend_outputs: int | None = None  # with cuda_graphs: outputs from this position on are the graph's own (graphs.py)
     progress: object = None  # progress(iterations, e-nodes, seconds) after each saturation iteration
@@ -117,7 +118,8 @@ def lower_and_load(plan: Plan, rules, target, options: Options, levels: Levels) 
     clock = time.perf_counter()
     with remote.using(options.cache):
         executable = Executable(plan, levels.source, loops, buffer_names, target, cuda_graphs=options.cuda_graphs,
-                                aliases=aliases, lend_outputs=options.lend_outputs)
+                                aliases=aliases, lend_outputs=options.lend_outputs,
+                                autotune=options.autotune)
     levels.wrapper = executable.wrapper.source
     levels.timings["load"] = time.perf_counter() - clock
     return executable

@@ -25,12 +25,13 @@ class Executable:
     """Runs a plan: generated kernels through the target's loader, the rest through torch."""
 
     def __init__(self, plan: Plan, source: str, loops, buffer_names: dict[int, str], target,
-                 cuda_graphs: bool = False, aliases: dict[str, str] | None = None, lend_outputs=None):
+                 cuda_graphs: bool = False, aliases: dict[str, str] | None = None, lend_outputs=None,
+                 autotune: bool = False):
         """`loops`: every generated kernel's loop IR; `aliases`: kernel name -> the kernel
         whose compiled code runs it (codegen.walker.unique_kernels), not in `source`;
         `lend_outputs`: with CUDA graphs, the result positions from which on outputs are
         handed out as the graph's own buffers (graphs.py: a training forward's saved
-        activations)."""
+        activations); `autotune`: a target that tunes its kernels' launches does."""
         self.plan = plan
         self.graph: Graph = plan.graph
         self.target = target
@@ -39,7 +40,9 @@ class Executable:
         self._calls = {}
         aliases = aliases or {}
         if loops:
-            self._calls, self.compiled_now = target.load(source, [lk for lk in loops if lk.name not in aliases])
+            tuning = {"autotune": autotune} if target.tunes else {}
+            self._calls, self.compiled_now = target.load(source, [lk for lk in loops if lk.name not in aliases],
+                                                         **tuning)
             self._calls.update((name, self._calls[same]) for name, same in aliases.items())
         nodes = {name: node for node in _all_nodes(plan) for name in [buffer_names.get(id(node))] if name}
         release = release_schedule(plan)
@@ -109,6 +112,16 @@ class Executable:
         for _ in range(reps + 1):  # the first run warms caches and is dropped
             run(self._bind(args))
         return {step: statistics.median(t[1:]) for step, t in times.items()}
+
+    def launch_configs(self) -> dict[str, dict | None]:
+        """Each Triton kernel's launch configuration where it was tuned (codegen/triton_tune.py):
+        {kernel: {"config": "x<XBLOCK>_r<RBLOCK>_w<warps>", "times_ms": per candidate}}, None
+        before its first launch or where it was not tuned."""
+        configs = {}
+        for name, call in self._calls.items():
+            tuned = getattr(call, "tuned", None)
+            configs[name] = None if tuned is None else tuned.describe()
+        return configs
 
     def _runner(self, names: dict):
         """The wrapper over these step callables, each run starting a fresh memo."""
