@@ -1,7 +1,7 @@
 """Memory-bound row kernels against the copy bandwidth, by row length (GPU).
 
     python -m benchmarks.bandwidth [--mb 256] [--dtype bfloat16] [--rows 256,1024,4096,16384,32768]
-                                   [--untuned]
+                                   [--tuned]
 
 For each row length, a [N, L] input of `--mb` megabytes: softmax, rms_norm and
 layer_norm+relu run as eager, Inductor (default mode) and egraph-compiler in
@@ -9,14 +9,13 @@ one process, on the same tensors, outputs checked against eager first.  Time:
 median over `--reps` CUDA-event-timed blocks of back-to-back calls.  Achieved
 bandwidth counts one read of the input and one write of the output (the
 weights are negligible); `copy` is `y.copy_(x)` on the same tensors, timed the
-same way, and each kernel's share of it is reported, with the launch configuration
-its tuning chose (codegen/triton_tune.py); `--untuned` also times ours compiled with
-EGC_AUTOTUNE=0 (the renderer's heuristic block sizes) in the same process.
+same way, and each kernel's share of it is reported; `--tuned` also times ours
+compiled with `autotune=True` (codegen/triton_tune.py: block sizes and warps timed
+at the first launch) in the same process, with the configuration it chose.
 """
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import warnings
 
@@ -46,7 +45,7 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--rows", default="256,1024,4096,16384,32768")
     p.add_argument("--reps", type=int, default=20)
-    p.add_argument("--untuned", action="store_true", help="also time ours without tuned launch configurations")
+    p.add_argument("--tuned", action="store_true", help="also time ours with tuned launch configurations")
     p.add_argument("--persistent-max", type=int, default=None,
                    help="longest row the Triton renderer keeps in registers (default: its own)")
     args = p.parse_args(argv)
@@ -57,7 +56,7 @@ def main(argv=None) -> int:
     size = torch.finfo(dtype).bits // 8
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, {args.dtype}, {args.mb} MB per tensor\n")
     print("| program | row | copy TB/s | eager TB/s | inductor TB/s | ours TB/s | ours % of copy | "
-          "ours/inductor | ours untuned TB/s | ours kernels (tuned config) |")
+          "ours/inductor | ours tuned TB/s | ours kernels (tuned config) |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for length in map(int, args.rows.split(",")):
         rows = args.mb * 2 ** 20 // (length * size)
@@ -71,41 +70,30 @@ def main(argv=None) -> int:
             row = {"eager": moved / timed(fn, (x, w, b), args.reps)}
             torch._dynamo.reset()
             inductor = torch.compile(fn)
-            variants = [("inductor", inductor), ("ours", _compiled(fn, [x, w, b], tuned=True))]
-            if args.untuned:
-                variants.append(("untuned", _compiled(fn, [x, w, b], tuned=False)))
+            variants = [("inductor", inductor), ("ours", _compiled(fn, [x, w, b], tuned=False))]
+            if args.tuned:
+                variants.append(("tuned", _compiled(fn, [x, w, b], tuned=True)))
             for variant, f in variants:
                 out = f(x, w, b)
                 torch.testing.assert_close(out.float(), ref.float(), atol=3e-2, rtol=3e-2)
                 row[variant] = moved / timed(f, (x, w, b), args.reps)
             ours = variants[1][1]
-            configs = ours.launch_configs()
+            configs = variants[-1][1].launch_configs()
             kinds = ",".join(k.kind + (f" ({configs[k.name]['config']})" if configs.get(k.name) else "")
                              for k in ours.plan.kernels)
-            untuned = f"{row['untuned'] / 1e12:.2f}" if args.untuned else "-"
+            tuned = f"{row['tuned'] / 1e12:.2f}" if args.tuned else "-"
             print(f"| {name} | {length} | {copy / 1e12:.2f} | {row['eager'] / 1e12:.2f} | "
                   f"{row['inductor'] / 1e12:.2f} | {row['ours'] / 1e12:.2f} | {100 * row['ours'] / copy:.0f}% | "
-                  f"{row['ours'] / row['inductor']:.2f}x | {untuned} | {kinds} |", flush=True)
+                  f"{row['ours'] / row['inductor']:.2f}x | {tuned} | {kinds} |", flush=True)
         del x, y, w, b
         torch.cuda.empty_cache()
     return 0
 
 
 def _compiled(fn, inputs, tuned: bool):
-    """ours; untuned: with the renderer's heuristic launch configurations (EGC_AUTOTUNE=0 while
-    the kernels load)."""
-    before = os.environ.get("EGC_AUTOTUNE")
-    if not tuned:
-        os.environ["EGC_AUTOTUNE"] = "0"
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return egc.compile(fn, inputs)
-    finally:
-        if before is None:
-            os.environ.pop("EGC_AUTOTUNE", None)
-        else:
-            os.environ["EGC_AUTOTUNE"] = before
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return egc.compile(fn, inputs, autotune=tuned)
 
 
 if __name__ == "__main__":

@@ -7,9 +7,11 @@ tile both over a 2-D grid.  Row kernels keep a whole row in registers when it
 fits (persistent: each reduction is one `tl.sum`/`tl.max`, and the stashed
 body is a value reused by the store, so the input is read once); longer rows
 loop over RBLOCK chunks.  Arithmetic runs in float32; half-precision buffers
-are widened when loaded and rounded when stored.  This is the only module that
-imports triton (besides triton_cache.py, which Triton loads as its cache manager); CPU
-tensors run under the Triton interpreter (TRITON_INTERPRET=1).
+are widened when loaded and rounded when stored.  This module and its siblings
+(triton_launch.py: launches; triton_tune.py: launch configurations; triton_build.py:
+ahead-of-time compiles; triton_cache.py, which Triton loads as its cache manager) are the
+only code that imports triton; CPU tensors run under the Triton interpreter
+(TRITON_INTERPRET=1).
 """
 from __future__ import annotations
 
@@ -22,10 +24,12 @@ from dataclasses import replace
 
 from egraph_compiler import remote
 from egraph_compiler.cache import cache_dir
-from egraph_compiler.errors import EgraphCompilerError, IndexOutOfRange
-from egraph_compiler.loopir import ERROR_FLAG, STASH, Affine, Load, LoopKernel, has_gather, substitute, variables
+from egraph_compiler.errors import EgraphCompilerError
+from egraph_compiler.loopir import (ERROR_FLAG, STASH, Acc, Affine, Call, Const, Load, LoopKernel, contains, has_gather,
+                                    substitute, variables)
 
 from . import triton_split, triton_tune
+from .triton_launch import checked as _checked, direct as _direct, has_option as _has_option
 from .walker import Target, render_expr, render_index
 
 PERSISTENT_MAX = 32768  # longest row kept in registers (87-91% of copy bandwidth at 16k on an H200)
@@ -77,6 +81,14 @@ def _egc_pow(a, b):
 
 
 @triton.jit
+def _egc_welford(m1, q1, n1, m2, q2, n2):  # two parts' (mean, sum of squared deviations, count) combined
+    n = n1 + n2
+    d = m2 - m1
+    w = tl.where(n == 0, 0.0, n2 / tl.where(n == 0, 1.0, n))
+    return m1 + d * w, q1 + q2 + d * d * n1 * w, n
+
+
+@triton.jit
 def _egc_row(i, rows, err):  # a gather's row: one out of range is never read, and is reported
     bad = (i < 0) | (i >= rows)
     tl.device_assert(bad == 0, "index out of range in embedding")  # on a GPU (the kernel runs with debug)
@@ -108,6 +120,7 @@ class _Kernel:
     def __init__(self, k: LoopKernel):
         self.k = k
         self.types = {p.name: p.dtype for p in k.params}
+        self.moments = None
         self.pointwise = not k.reductions and all(s[3] for s in self.stores())
         self.looped = not self.pointwise and k.inner > PERSISTENT_MAX
         if self.pointwise:
@@ -123,10 +136,22 @@ class _Kernel:
         if self.split > 1:  # a column reduction over many rows: partial sums, then their sum (triton_split.py)
             self.xblock, self.rblock = triton_split.SPLIT_TILE
             self.looped, self.warps = True, 4
+        if not self.looped:
+            self.moments = centred_moments(k)
 
     def stores(self):
         k = self.k
-        return [(k.store_param, k.store_index, k.value, k.store_in_inner)] + list(k.extra_stores)
+        stores = [(k.store_param, k.store_index, k.value, k.store_in_inner)] + list(k.extra_stores)
+        if not self.moments:
+            return stores
+        # with layer_norm's moments in one reduction (_moments), a store reads the row's value as
+        # kept in registers and the mean as the reduction gave it (not n * mean / n, which a GPU's
+        # approximate division rounds: a constant row would not centre to exactly 0)
+        total, centred = k.reductions[self.moments[0]], k.reductions[self.moments[1]]
+        mean = centred.body.args[1]
+        value = lambda v: substitute(substitute(v, total.body, Acc(f"{total.acc}_v")), mean,  # noqa: E731
+                                     Acc(f"{total.acc}_m"))
+        return [(param, index, value(v), inner) for param, index, v, inner in stores]
 
     def grid(self) -> tuple:
         outer = -(-self.k.outer // self.xblock)
@@ -159,8 +184,12 @@ class _Kernel:
             return "\n".join(lines)
         if not self.looped:
             lines += self._columns("0", "    ")
+        moments = self.moments
         for i, red in enumerate(k.reductions):
-            lines += self._reduction(i, red)
+            if moments and i == moments[0]:
+                lines += self._moments(*(k.reductions[j] for j in moments))
+            elif not moments or i not in moments:
+                lines += self._reduction(i, red)
         stores = self.stores()
         if any(s[3] for s in stores):
             if self.looped:
@@ -206,6 +235,19 @@ class _Kernel:
         lines.append(f"        {acc}_b = {acc}_b + tl.where(mask, {acc}_v, 0.0)")
         return lines + [f"    {acc} = tl.sum({acc}_b, axis=1, keep_dims=True)"]
 
+    def _moments(self, total, centred, squares) -> list[str]:
+        """A row's sum, its centred sum and its sum of squared deviations (layer_norm's moments,
+        rules/lowering.rules) as one Welford reduction: one reduction tree, not a sum and then
+        two more that wait for it (on an H200, rows of 16k: 78% -> 92% of the copy bandwidth,
+        BENCHMARKS.md, ninth session).  The centred sum, whose exact value is 0, is 0; the sum
+        is the mean times the row's length."""
+        v, n = f"{total.acc}_v", float(self.k.inner)
+        return [f"    {v} = ({self.expr(total.body)}) + tl.zeros([XBLOCK, RBLOCK], tl.float32)",
+                f"    {total.acc}_m, {squares.acc}, {total.acc}_n = tl.reduce((tl.where(mask, {v}, 0.0), "
+                f"tl.zeros([XBLOCK, RBLOCK], tl.float32), tl.where(mask, 1.0, 0.0)), 1, _egc_welford, keep_dims=True)",
+                f"    {total.acc} = {total.acc}_m * {n!r}",
+                f"    {centred.acc} = tl.zeros_like({total.acc})"]
+
     def _integer_reduction(self, red) -> list[str]:
         """An integer (or bool) sum or max, exact in the accumulator's integer type (no NaN to track)."""
         acc, kind, combine = red.acc, TL[red.dtype], "max" if red.combiner == "max" else "sum"
@@ -241,6 +283,34 @@ class _Kernel:
 
     def _cast_out(self, param: str, text: str) -> str:
         return f"tl.cast({text}, {TL[self.types[param]]})"  # tl.cast: a constant value is a Python float
+
+
+def centred_moments(k: LoopKernel) -> tuple[int, int, int] | None:
+    """The positions of three float32 sums over a row, sum(x), sum(x - m) and sum((x - m)^2) with
+    m = sum(x) / n (layer_norm's centred form), where no other reduction reads them: one Welford
+    reduction computes them (`_Kernel._moments`; a store reading the first reads n times the mean,
+    the sum up to its rounding)."""
+    sums = [i for i, red in enumerate(k.reductions) if red.combiner == "sum" and red.dtype == "float32"]
+    for i in sums:
+        total = k.reductions[i]
+        mean = (Acc(total.acc), Const(float(k.inner)))  # (a Call's dtype is its node's; all compute in float32)
+        j = next((j for j in sums if j > i and _is_call(b := k.reductions[j].body, "sub")
+                  and b.args[0] == total.body and _is_call(b.args[1], "div") and b.args[1].args == mean), None)
+        centred = k.reductions[j].body if j is not None else None
+        q = next((q for q in sums if q > i and _is_call(b := k.reductions[q].body, "mul")
+                  and b.args == (centred, centred)), None)
+        if j is None or q is None or (k.stash_last and len(k.reductions) - 1 in (i, j, q)):
+            continue
+        later = [red.body for m, red in enumerate(k.reductions) if m > i and m not in (j, q)]
+        if any(contains(body, Acc(total.acc)) for body in later) or \
+                any(contains(body, Acc(k.reductions[x].acc)) for x in (j, q) for body in later):
+            continue  # (another reduction reads them between: keep the order)
+        return i, j, q
+    return None
+
+
+def _is_call(e, op: str) -> bool:
+    return isinstance(e, Call) and e.op == op
 
 
 def _stash_index(k: LoopKernel):
@@ -303,64 +373,6 @@ def _configured_launch(fn, k: LoopKernel, shape: "_Kernel", config):
     return _direct(fn, tuned.grid(), launch_options(k, tuned))
 
 
-def _direct(fn, grid, options):
-    """A kernel's launch.  The first with each specialisation goes through `fn[grid]` (Triton's
-    JITFunction.run: binds the arguments, computes their specialisation key, finds or compiles
-    the kernel), and keeps the compiled kernel it returns; later launches with the same
-    specialisation call that kernel's launcher directly, as Inductor's do.  The key is what
-    Triton specialises pointers on, each one's 16-byte alignment, and the device; dtypes and
-    sizes are fixed per compiled program.  The interpreter and a Triton older than 3.4 (no
-    `triton.knobs`, whose launch hooks the direct launch passes on) take JITFunction.run every time."""
-    launched: dict = {}
-    names = getattr(fn, "arg_names", ())
-    constexprs = [options[name] for name in names[names.index("XBLOCK"):]] \
-        if "XBLOCK" in names and _knobs() is not None else None  # (after the pointers, in order)
-
-    grid3 = (*grid, 1, 1)[:3]
-    runtime = []  # (triton.knobs.runtime, the driver's current-stream function), after the first launch
-
-    def run(tensors, extra):
-        args = (*tensors, *extra)
-        device = args[0].get_device()
-        key = (device, *[t.data_ptr() & 15 == 0 for t in args])
-        kernel = launched.get(key)
-        if kernel is None or constexprs is None:
-            kernel = fn[grid](*args, **options)
-            if constexprs is not None and hasattr(kernel, "packed_metadata") and hasattr(kernel, "function"):
-                launched[key] = kernel
-                runtime[:] = [_knobs().runtime, _driver().get_current_stream]
-            return
-        hooks, current_stream = runtime
-        stream = current_stream(device)
-        enter, leave = hooks.launch_enter_hook, hooks.launch_exit_hook  # (a profiler's launch hooks see this
-        if enter is not None or leave is not None:  # launch as Triton's own; with none, no metadata)
-            enter, leave = _hook(enter), _hook(leave)
-        metadata = kernel.launch_metadata(grid, stream, *args, *constexprs) if enter or leave else None
-        kernel.run(grid3[0], grid3[1], grid3[2], stream,
-                   kernel.function, kernel.packed_metadata, metadata, enter, leave, *args, *constexprs)
-    return run
-
-
-def _hook(hook):
-    """A launch hook, or None where there is none (Triton 3.6 and newer keep an empty HookChain)."""
-    return hook if hook is not None and getattr(hook, "calls", True) else None
-
-
-@functools.cache
-def _knobs():
-    try:
-        from triton import knobs  # (Triton 3.4 and newer: the launch hooks' home)
-    except ImportError:
-        return None
-    return knobs
-
-
-@functools.cache
-def _driver():
-    from triton.runtime import driver
-    return driver.active
-
-
 def kernel_functions(k: LoopKernel, shape: "_Kernel") -> list[tuple[str, list[tuple[str, str]]]]:
     """A loop kernel's Triton functions, each with its parameters (name, dtype) in order."""
     params = [(p.name, p.dtype) for p in k.params] + ([(ERROR_FLAG, "int32")] if has_gather(k) else [])
@@ -382,33 +394,6 @@ def launch_options(k: LoopKernel, shape: "_Kernel") -> dict:
         if _has_option("sanitize_overflow"):
             options["sanitize_overflow"] = False
     return options
-
-
-@functools.cache
-def _has_option(name: str) -> bool:
-    try:
-        from triton.backends.nvidia.compiler import CUDAOptions
-    except ImportError:
-        return False
-    return name in getattr(CUDAOptions, "__dataclass_fields__", {})
-
-
-def _checked(run, name: str):
-    """A kernel with gathers: its error flag (one per device) passed after its tensors; on CPU
-    tensors (the interpreter, where device asserts do nothing) it is read after the launch."""
-    import torch
-    flags: dict = {}
-
-    def call(*tensors):
-        device = tensors[0].device
-        flag = flags.get(device)
-        if flag is None:
-            flag = flags[device] = torch.zeros(1, dtype=torch.int32, device=device)
-        run(tensors, (flag,))
-        if device.type == "cpu" and flag.item():
-            flag.zero_()
-            raise IndexOutOfRange(name)
-    return call
 
 
 TABLE = Target(name="cuda", device="cuda", render=render_program, kernel_source=lambda k: _Kernel(k).render(),

@@ -298,3 +298,27 @@ def test_a_cpu_scalar_made_in_forward_follows_the_inputs_to_the_gpu():
     torch._dynamo.reset()
     for compiled in (egc.compile(model, [x]), torch.compile(model, backend="egraph")):
         torch.testing.assert_close(compiled(x), model(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("autotune", [False, True])
+def test_layer_norm_moments_in_one_reduction_on_the_gpu(dtype, autotune):
+    """layer_norm's moments as one Welford reduction (codegen/triton.py `_moments`): rows of
+    every length class, a row far from 0 (a mean of 1000 with deviations of 1), a constant row
+    (centred to exactly 0), and tuned block sizes, against float64."""
+    torch.manual_seed(0)
+    for rows, length in ((3, 5), (64, 1000), (16, 16384), (4, 32768)):
+        x = torch.randn(rows, length, dtype=torch.float64) + torch.linspace(-1000, 1000, rows, dtype=torch.float64)[:, None]
+        x[0] = 7.25
+        w, b = torch.randn(length, dtype=torch.float64), torch.randn(length, dtype=torch.float64)
+        fn = lambda x, w, b: F.layer_norm(x, x.shape[-1:], w, b).relu()  # noqa: E731
+        want = fn(x, w, b)
+        args = [t.to("cuda", dtype) for t in (x, w, b)]
+        compiled = egc.compile(fn, args, autotune=autotune)
+        assert "_egc_welford, keep_dims=True" in compiled.source
+        got = compiled(*args).double().cpu()
+        assert torch.all(got[0] == torch.relu(b.to(dtype).double())), "a constant row centres to 0"
+        eps = 1e-4 if dtype == torch.float32 else 3e-2
+        torch.testing.assert_close(got, want, atol=eps * 10, rtol=eps)
+        reference = fn(*args).double().cpu()  # and no further from float64 than eager's own rounding
+        assert (got - want).abs().max() <= 2 * (reference - want).abs().max() + eps
