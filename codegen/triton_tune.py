@@ -131,6 +131,7 @@ class Tuned:
 
     def __init__(self, make, shape, source: str, name: str):
         self.make, self.name = make, name
+        self.outputs = [i for i, p in enumerate(shape.k.params) if p.role == "out"]  # (positions in a call)
         self.options = candidates(shape)
         self.source = source
         self.run = None
@@ -165,7 +166,7 @@ class Tuned:
             return
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return
-        if _aliased(tensors):  # (timing would launch it on what it wrote: the heuristic's, for good)
+        if _aliased(tensors, self.outputs):  # (timing would launch it on what it wrote: the heuristic's, for good)
             self.config, self.run = self.options[0], self.make(self.options[0])
             return
         runs = {c: self.make(c) for c in self.options}
@@ -182,9 +183,12 @@ class Tuned:
         self.config, self.run = best, runs[best]
 
 
-def _aliased(tensors) -> bool:
-    pointers = [t.untyped_storage().data_ptr() for t in tensors if t.numel()]
-    return len(pointers) != len(set(pointers))
+def _aliased(tensors, outputs: list[int]) -> bool:
+    """Whether an output shares storage with another tensor of the call (inputs may share)."""
+    storage = [t.untyped_storage().data_ptr() if t.numel() else None for t in tensors]
+    written = {storage[i] for i in outputs if i < len(storage)} - {None}
+    return any(s in written for i, s in enumerate(storage) if i not in outputs) or \
+        len(written) < len([i for i in outputs if i < len(storage) and storage[i] is not None])
 
 
 def _label(config: Config) -> str:

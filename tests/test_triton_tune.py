@@ -173,3 +173,22 @@ def test_the_configuration_is_reported(monkeypatch, tmp_path):
     compiled(*inputs)
     (report,) = compiled.launch_configs().values()
     assert report["config"] in report["times_ms"] and len(report["times_ms"]) >= 2
+
+
+def test_a_call_whose_output_shares_memory_is_not_timed(monkeypatch, tmp_path):
+    """Timing launches a kernel several times on the call's tensors: where an output is
+    also read (a buffer handed in twice), the heuristic's configuration runs once."""
+    monkeypatch.setenv("EGC_CACHE_DIR", str(tmp_path))
+    fn, inputs = _inputs("pointwise")
+    compiled = egc.compile(fn, inputs, target="triton", autotune=True)
+    (kernel,) = _loop_kernels(compiled)
+    (name,) = compiled.launch_configs()
+    timed = []
+    monkeypatch.setattr(triton_tune, "_time", lambda *a: timed.append(1) or 0.0)
+    x = inputs[0].clone()
+    expected = fn(x)
+    compiled._executable._calls[name](x, x)  # (in place: the output is the input)
+    assert timed == [] and compiled.launch_configs()[name]["config"] == triton_tune._label(
+        triton_tune.default(tr._Kernel(kernel)))
+    torch.testing.assert_close(x, expected, atol=1e-5, rtol=1e-5)
+    assert triton_tune._aliased([x[:2], x[2:]], [1]) and not triton_tune._aliased([x, x, x.clone()], [2])
