@@ -238,9 +238,9 @@ class _Kernel:
     def _moments(self, total, centred, squares) -> list[str]:
         """A row's sum, its centred sum and its sum of squared deviations (layer_norm's moments,
         rules/lowering.rules) as one Welford reduction: one reduction tree, not a sum and then
-        two more that wait for it (on an H200, rows of 16k: 78% -> 92% of the copy bandwidth,
-        BENCHMARKS.md, ninth session).  The centred sum, whose exact value is 0, is 0; the sum
-        is the mean times the row's length."""
+        two more that wait for it (hand-written on an H200, rows of 16k: 78% -> 92% of the copy
+        bandwidth; this generated form is not measured yet: BENCHMARKS.md, ninth session).  The
+        centred sum, whose exact value is 0, is 0; the sum is the mean times the row's length."""
         v, n = f"{total.acc}_v", float(self.k.inner)
         return [f"    {v} = ({self.expr(total.body)}) + tl.zeros([XBLOCK, RBLOCK], tl.float32)",
                 f"    {total.acc}_m, {squares.acc}, {total.acc}_n = tl.reduce((tl.where(mask, {v}, 0.0), "
