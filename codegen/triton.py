@@ -121,6 +121,7 @@ class _Kernel:
         self.k = k
         self.types = {p.name: p.dtype for p in k.params}
         self.moments = None
+        self._outer = False  # rendering the stores made once per outer index (a load's mask: `load`)
         self.pointwise = not k.reductions and all(s[3] for s in self.stores())
         self.looped = not self.pointwise and k.inner > PERSISTENT_MAX
         if self.pointwise:
@@ -163,6 +164,9 @@ class _Kernel:
         index = render_index(e.index, TABLE)
         names = variables(e.index) & {"o", "r"}  # (a gather's row is already in range)
         mask = {frozenset(): None, frozenset({"o"}): "omask", frozenset({"r"}): "rmask"}.get(frozenset(names), "mask")
+        if self.k.inner == 0 or self.k.outer == 0:  # an empty domain: a loop variable of no values left the
+            mask = "omask" if self._outer else "mask"  # index, and the buffer may hold nothing to read at all
+            index += " + o * 0" if self._outer else " + o * 0 + r * 0"  # (a block, as its mask)
         text = f"tl.load({e.param} + ({index})" + (f", mask={mask}, other=0)" if mask else ")")
         # narrow floats compute in float32; integers stay integers (computed exactly)
         return f"{text}.to(tl.float32)" if self.types[e.param] in ("float16", "bfloat16") else text
@@ -202,9 +206,13 @@ class _Kernel:
 
     def _outer_stores(self) -> list[str]:
         """The stores made once per outer index (a reduction's result)."""
-        return [f"    tl.store({param} + ({render_index(index, TABLE)}) + o * 0, "
-                f"{self._cast_out(param, self.expr(value))}, mask=omask)"
-                for param, index, value, in_inner in self.stores() if not in_inner]
+        self._outer = True
+        try:
+            return [f"    tl.store({param} + ({render_index(index, TABLE)}) + o * 0, "
+                    f"{self._cast_out(param, self.expr(value))}, mask=omask)"
+                    for param, index, value, in_inner in self.stores() if not in_inner]
+        finally:
+            self._outer = False
 
     def _columns(self, start: str, pad: str) -> list[str]:
         return [f"{pad}r = {start} + tl.arange(0, RBLOCK)[None, :]", f"{pad}rmask = r < {self.k.inner}",

@@ -824,3 +824,22 @@ def test_a_fallback_reached_from_another_line_is_warned_again():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the same line again: no second warning
         egc.compile(first, [x + 1])
+
+
+@pytest.mark.parametrize("target", ["cpu", "triton"])
+def test_a_reduction_over_an_empty_dim_reads_nothing(target):
+    """Soak 9601 (`--target triton`, program 9601:0:36): a loop variable over an empty dim
+    leaves a load's index, and Triton evaluated that load unmasked on an empty buffer (the
+    interpreter died of it; a GPU would read past the buffer).  In an empty domain every load
+    is masked by its context."""
+    def fn(x0, x2):
+        t7 = torch.reciprocal(x0.abs() + 0.5) / ((x2 / 2).abs() + 1.0)
+        return torch.sum(-x2.float(), dim=3), t7, t7 - t7, x0.mean(-1) + 1
+    x0, x2 = torch.rand((2, 2, 8, 0)), torch.randint(-5, 6, (2, 2, 8, 0))
+    compiled = egc.compile(fn, [x0, x2], target=target)
+    assert any(k.kind == "generated" for k in compiled.plan.kernels)
+    for got, want in zip(compiled(x0, x2), fn(x0, x2)):
+        torch.testing.assert_close(got, want, equal_nan=True)
+    if target == "triton":  # (and a GPU's compiler takes the masked loads)
+        from egraph_compiler.codegen.triton_build import compile_for_gpu
+        compile_for_gpu([(compiled.source, compiled.loop_kernels)])
