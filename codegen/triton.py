@@ -72,6 +72,7 @@ def _egc_maximum(a, b):  # torch.maximum: a NaN on either side wins
 @triton.jit
 def _egc_pow(a, b):
     b = b + tl.zeros_like(a)  # a constant exponent becomes a block like a
+    a = a + tl.zeros_like(b)  # and a scalar base (one element loaded) a block like b
     m = tl.exp2(b * tl.log2(tl.abs(a)))
     whole = b == tl.floor(b)
     odd = whole & (tl.abs(b - 2.0 * tl.floor(b * 0.5)) == 1.0)

@@ -843,3 +843,22 @@ def test_a_reduction_over_an_empty_dim_reads_nothing(target):
     if target == "triton":  # (and a GPU's compiler takes the masked loads)
         from egraph_compiler.codegen.triton_build import compile_for_gpu
         compile_for_gpu([(compiled.source, compiled.loop_kernels)])
+
+
+@pytest.mark.parametrize("target", ["cpu", "triton"])
+def test_pow_of_a_one_element_base_over_a_block_of_exponents(target):
+    """Soak 9601 (`--target triton`, program 9601:1:154): `_egc_pow` broadcast its exponent
+    to the base's shape but not a one-element base (a scalar load) to the exponent's, and the
+    interpreter refused `(a < 0) & odd` of a scalar and a block."""
+    cases = [(lambda s, x: torch.pow(s.abs() + 0.5, torch.tanh(x)), [torch.randn(1), torch.randn(4, 8)]),
+             (lambda s, x: torch.pow(s - 0.5, x.round()), [torch.rand(()), torch.randn(3, 5)]),
+             (lambda s, x: torch.pow(s - 2.0, x), [torch.rand(()), torch.randn(3, 5)])]  # (NaN where not whole)
+    modules = []
+    for fn, inputs in cases:
+        compiled = egc.compile(fn, inputs, target=target)
+        assert any(k.kind == "generated" for k in compiled.plan.kernels)
+        torch.testing.assert_close(compiled(*inputs), fn(*inputs), equal_nan=True)
+        modules.append((compiled.source, compiled.loop_kernels))
+    if target == "triton":  # (a GPU's compiler takes the broadcast base too)
+        from egraph_compiler.codegen.triton_build import compile_for_gpu
+        compile_for_gpu(modules)
