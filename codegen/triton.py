@@ -28,7 +28,7 @@ from egraph_compiler.errors import EgraphCompilerError
 from egraph_compiler.loopir import (ERROR_FLAG, STASH, Acc, Affine, Call, Const, Load, LoopKernel, contains, has_gather,
                                     substitute, variables)
 
-from . import triton_split, triton_tune
+from . import triton_split
 from .triton_launch import checked as _checked, direct as _direct, has_option as _has_option
 from .walker import Target, render_expr, render_index
 
@@ -357,19 +357,20 @@ def load(source: str, kernels: list[LoopKernel], autotune: bool = False):
     share_triton_cache()
     compiled_now = not _module_path(source).exists()
     module = _import(source)
+    from . import triton_tune  # (which reads this module's launch shapes)
     from .triton_build import WARM_MIN_KERNELS, WORKERS_ENV, warm_in_parallel
+    tune = triton_tune.enabled(autotune)
     if (compiled_now and len(kernels) >= WARM_MIN_KERNELS and os.environ.get(WORKERS_ENV, "8") != "0"
             and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")):
-        warm_in_parallel(source, kernels, triton_tune.enabled(autotune))
+        warm_in_parallel(source, kernels, tune)
     calls = {}
-    tune = triton_tune.enabled(autotune)
     for k in kernels:
         shape = _Kernel(k)
         if shape.split > 1:
             run = triton_split.launcher(module, k, shape, launch_options(k, shape))
         elif tune:  # block sizes and warps settled at the first launch (triton_tune.py)
             run = triton_tune.Tuned(functools.partial(_configured_launch, getattr(module, k.name), k, shape),
-                                    shape, shape.render(), k.name)
+                                    shape, shape.render())
         else:
             run = _direct(getattr(module, k.name), shape.grid(), launch_options(k, shape))
         calls[k.name] = _checked(run, k.name) if has_gather(k) else (lambda *tensors, run=run: run(tensors, ()))
@@ -378,7 +379,8 @@ def load(source: str, kernels: list[LoopKernel], autotune: bool = False):
 
 
 def _configured_launch(fn, k: LoopKernel, shape: "_Kernel", config):
-    tuned = triton_tune.configured(shape, config)
+    from .triton_tune import configured
+    tuned = configured(shape, config)
     return _direct(fn, tuned.grid(), launch_options(k, tuned))
 
 

@@ -71,10 +71,9 @@ def compile_for_gpu(modules: list[tuple[str, list[LoopKernel]]], arch: int = 90,
         path = _module_path(source)
         if not path.exists() or path.read_text() != source:
             _import(source)
-        shapes = lambda k: ([triton_tune.configured(_Kernel(k), c) for c in triton_tune.candidates(_Kernel(k))]
-                            if candidates else [_Kernel(k)])  # noqa: E731
         specs += [(str(path), name, {p: SIGNATURE[dtype] for p, dtype in params}, launch_options(k, shape))
-                  for k in kernels for shape in shapes(k) for name, params in kernel_functions(k, shape)
+                  for k in kernels for shape in triton_tune.to_compile(_Kernel(k), candidates)
+                  for name, params in kernel_functions(k, shape)
                   if f"def {k.name}(" in source]  # (a repeated kernel runs another's code: walker.unique_kernels)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", _GPU_COMPILE, json.dumps(specs), str(arch)],

@@ -31,6 +31,8 @@ from dataclasses import asdict, dataclass
 
 from egraph_compiler.cache import cache_dir
 
+from .triton import _pow2
+
 AUTOTUNE_ENV = "EGC_AUTOTUNE"  # "0": the heuristic's configuration only; "1": tune under the interpreter too
 VERSION = 1  # of the search space: records of another version are not read
 TARGET_MS = 0.5  # launches per timed round: about this long (at least MIN_LAUNCHES)
@@ -129,8 +131,8 @@ class Tuned:
     disk, else the fastest candidate timed on that call's tensors.  `make(config)` builds
     a launch `run(tensors, extra)` for one configuration."""
 
-    def __init__(self, make, shape, source: str, name: str):
-        self.make, self.name = make, name
+    def __init__(self, make, shape, source: str):
+        self.make = make
         self.outputs = [i for i, p in enumerate(shape.k.params) if p.role == "out"]  # (positions in a call)
         self.options = candidates(shape)
         self.source = source
@@ -186,9 +188,9 @@ class Tuned:
 def _aliased(tensors, outputs: list[int]) -> bool:
     """Whether an output shares storage with another tensor of the call (inputs may share)."""
     storage = [t.untyped_storage().data_ptr() if t.numel() else None for t in tensors]
-    written = {storage[i] for i in outputs if i < len(storage)} - {None}
-    return any(s in written for i, s in enumerate(storage) if i not in outputs) or \
-        len(written) < len([i for i in outputs if i < len(storage) and storage[i] is not None])
+    written = [storage[i] for i in outputs if storage[i] is not None]
+    read = {s for i, s in enumerate(storage) if i not in outputs and s is not None}
+    return len(set(written)) < len(written) or bool(read.intersection(written))
 
 
 def _label(config: Config) -> str:
@@ -224,6 +226,3 @@ def _time(run, tensors, extra, device) -> float:
             best = min(best, (time.perf_counter() - start) * 1e3 / launches)
     return best
 
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (max(n, 1) - 1).bit_length())
