@@ -25,7 +25,7 @@ from dataclasses import replace
 from egraph_compiler import remote
 from egraph_compiler.cache import cache_dir
 from egraph_compiler.errors import EgraphCompilerError
-from egraph_compiler.loopir import (ERROR_FLAG, STASH, Acc, Affine, Call, Const, Load, LoopKernel, contains, has_gather,
+from egraph_compiler.loopir import (ERROR_FLAG, STASH, Affine, Load, LoopKernel, has_gather,
                                     substitute, variables)
 
 from . import triton_split
@@ -82,14 +82,6 @@ def _egc_pow(a, b):
 
 
 @triton.jit
-def _egc_welford(m1, q1, n1, m2, q2, n2):  # two parts' (mean, sum of squared deviations, count) combined
-    n = n1 + n2
-    d = m2 - m1
-    w = tl.where(n == 0, 0.0, n2 / tl.where(n == 0, 1.0, n))
-    return m1 + d * w, q1 + q2 + d * d * n1 * w, n
-
-
-@triton.jit
 def _egc_row(i, rows, err):  # a gather's row: one out of range is never read, and is reported
     bad = (i < 0) | (i >= rows)
     tl.device_assert(bad == 0, "index out of range in embedding")  # on a GPU (the kernel runs with debug)
@@ -121,7 +113,6 @@ class _Kernel:
     def __init__(self, k: LoopKernel):
         self.k = k
         self.types = {p.name: p.dtype for p in k.params}
-        self.moments = None
         self._outer = False  # rendering the stores made once per outer index (a load's mask: `load`)
         self.pointwise = not k.reductions and all(s[3] for s in self.stores())
         self.looped = not self.pointwise and k.inner > PERSISTENT_MAX
@@ -138,22 +129,10 @@ class _Kernel:
         if self.split > 1:  # a column reduction over many rows: partial sums, then their sum (triton_split.py)
             self.xblock, self.rblock = triton_split.SPLIT_TILE
             self.looped, self.warps = True, 4
-        if not self.looped:
-            self.moments = centred_moments(k)
 
     def stores(self):
         k = self.k
-        stores = [(k.store_param, k.store_index, k.value, k.store_in_inner)] + list(k.extra_stores)
-        if not self.moments:
-            return stores
-        # with layer_norm's moments in one reduction (_moments), a store reads the row's value as
-        # kept in registers and the mean as the reduction gave it (not n * mean / n, which a GPU's
-        # approximate division rounds: a constant row would not centre to exactly 0)
-        total, centred = k.reductions[self.moments[0]], k.reductions[self.moments[1]]
-        mean = centred.body.args[1]
-        value = lambda v: substitute(substitute(v, total.body, Acc(f"{total.acc}_v")), mean,  # noqa: E731
-                                     Acc(f"{total.acc}_m"))
-        return [(param, index, value(v), inner) for param, index, v, inner in stores]
+        return [(k.store_param, k.store_index, k.value, k.store_in_inner)] + list(k.extra_stores)
 
     def grid(self) -> tuple:
         outer = -(-self.k.outer // self.xblock)
@@ -189,12 +168,8 @@ class _Kernel:
             return "\n".join(lines)
         if not self.looped:
             lines += self._columns("0", "    ")
-        moments = self.moments
         for i, red in enumerate(k.reductions):
-            if moments and i == moments[0]:
-                lines += self._moments(*(k.reductions[j] for j in moments))
-            elif not moments or i not in moments:
-                lines += self._reduction(i, red)
+            lines += self._reduction(i, red)
         stores = self.stores()
         if any(s[3] for s in stores):
             if self.looped:
@@ -244,19 +219,6 @@ class _Kernel:
         lines.append(f"        {acc}_b = {acc}_b + tl.where(mask, {acc}_v, 0.0)")
         return lines + [f"    {acc} = tl.sum({acc}_b, axis=1, keep_dims=True)"]
 
-    def _moments(self, total, centred, squares) -> list[str]:
-        """A row's sum, its centred sum and its sum of squared deviations (layer_norm's moments,
-        rules/lowering.rules) as one Welford reduction: one reduction tree, not a sum and then
-        two more that wait for it (hand-written on an H200, rows of 16k: 78% -> 92% of the copy
-        bandwidth; this generated form is not measured yet: BENCHMARKS.md, ninth session).  The
-        centred sum, whose exact value is 0, is 0; the sum is the mean times the row's length."""
-        v, n = f"{total.acc}_v", float(self.k.inner)
-        return [f"    {v} = ({self.expr(total.body)}) + tl.zeros([XBLOCK, RBLOCK], tl.float32)",
-                f"    {total.acc}_m, {squares.acc}, {total.acc}_n = tl.reduce((tl.where(mask, {v}, 0.0), "
-                f"tl.zeros([XBLOCK, RBLOCK], tl.float32), tl.where(mask, 1.0, 0.0)), 1, _egc_welford, keep_dims=True)",
-                f"    {total.acc} = {total.acc}_m * {n!r}",
-                f"    {centred.acc} = tl.zeros_like({total.acc})"]
-
     def _integer_reduction(self, red) -> list[str]:
         """An integer (or bool) sum or max, exact in the accumulator's integer type (no NaN to track)."""
         acc, kind, combine = red.acc, TL[red.dtype], "max" if red.combiner == "max" else "sum"
@@ -292,34 +254,6 @@ class _Kernel:
 
     def _cast_out(self, param: str, text: str) -> str:
         return f"tl.cast({text}, {TL[self.types[param]]})"  # tl.cast: a constant value is a Python float
-
-
-def centred_moments(k: LoopKernel) -> tuple[int, int, int] | None:
-    """The positions of three float32 sums over a row, sum(x), sum(x - m) and sum((x - m)^2) with
-    m = sum(x) / n (layer_norm's centred form), where no other reduction reads them: one Welford
-    reduction computes them (`_Kernel._moments`; a store reading the first reads n times the mean,
-    the sum up to its rounding)."""
-    sums = [i for i, red in enumerate(k.reductions) if red.combiner == "sum" and red.dtype == "float32"]
-    for i in sums:
-        total = k.reductions[i]
-        mean = (Acc(total.acc), Const(float(k.inner)))  # (a Call's dtype is its node's; all compute in float32)
-        j = next((j for j in sums if j > i and _is_call(b := k.reductions[j].body, "sub")
-                  and b.args[0] == total.body and _is_call(b.args[1], "div") and b.args[1].args == mean), None)
-        centred = k.reductions[j].body if j is not None else None
-        q = next((q for q in sums if q > i and _is_call(b := k.reductions[q].body, "mul")
-                  and b.args == (centred, centred)), None)
-        if j is None or q is None or (k.stash_last and len(k.reductions) - 1 in (i, j, q)):
-            continue
-        later = [red.body for m, red in enumerate(k.reductions) if m > i and m not in (j, q)]
-        if any(contains(body, Acc(total.acc)) for body in later) or \
-                any(contains(body, Acc(k.reductions[x].acc)) for x in (j, q) for body in later):
-            continue  # (another reduction reads them between: keep the order)
-        return i, j, q
-    return None
-
-
-def _is_call(e, op: str) -> bool:
-    return isinstance(e, Call) and e.op == op
 
 
 def _stash_index(k: LoopKernel):
