@@ -25,7 +25,7 @@ from dataclasses import replace
 from egraph_compiler import remote
 from egraph_compiler.cache import cache_dir
 from egraph_compiler.errors import EgraphCompilerError
-from egraph_compiler.loopir import (ERROR_FLAG, STASH, Affine, Load, LoopKernel, has_gather,
+from egraph_compiler.loopir import (ERROR_FLAG, STASH, Acc, Affine, Load, LoopKernel, contains, has_gather,
                                     substitute, variables)
 
 from . import triton_split
@@ -168,8 +168,8 @@ class _Kernel:
             return "\n".join(lines)
         if not self.looped:
             lines += self._columns("0", "    ")
-        for i, red in enumerate(k.reductions):
-            lines += self._reduction(i, red)
+        for group in self._passes():
+            lines += self._looped_sums(group) if len(group) > 1 else self._reduction(*group[0])
         stores = self.stores()
         if any(s[3] for s in stores):
             if self.looped:
@@ -193,6 +193,30 @@ class _Kernel:
     def _columns(self, start: str, pad: str) -> list[str]:
         return [f"{pad}r = {start} + tl.arange(0, RBLOCK)[None, :]", f"{pad}rmask = r < {self.k.inner}",
                 f"{pad}mask = omask & rmask"]
+
+    def _passes(self) -> list[list]:
+        """The reductions in loop order; in a looped kernel, consecutive float32 sums that do not
+        read each other's results share one pass over the row (layer_norm's centred sum and sum
+        of squares: three passes over a long row, then the store's, instead of four)."""
+        groups: list[list] = []
+        for i, red in enumerate(self.k.reductions):
+            joins = (self.looped and groups and red.combiner == "sum" and red.dtype == "float32"
+                     and all(r.combiner == "sum" and r.dtype == "float32" and not contains(red.body, Acc(r.acc))
+                             for _, r in groups[-1]))
+            if joins:
+                groups[-1].append((i, red))
+            else:
+                groups.append([(i, red)])
+        return groups
+
+    def _looped_sums(self, group) -> list[str]:
+        lines = [f"    {red.acc}_b = tl.zeros([XBLOCK, RBLOCK], tl.float32)" for _, red in group]
+        lines.append(f"    for r0 in range(0, {self.k.inner}, RBLOCK):")
+        lines += self._columns("r0", "        ")
+        for _, red in group:
+            lines += [f"        {red.acc}_v = {self.expr(red.body)}",
+                      f"        {red.acc}_b = {red.acc}_b + tl.where(mask, {red.acc}_v, 0.0)"]
+        return lines + [f"    {red.acc} = tl.sum({red.acc}_b, axis=1, keep_dims=True)" for _, red in group]
 
     def _reduction(self, i: int, red) -> list[str]:
         acc, is_max = red.acc, red.combiner == "max"

@@ -56,6 +56,21 @@ def test_kernel_kinds_match_eager(name):
     torch.testing.assert_close(compiled(*inputs), fn(*inputs), atol=1e-5, rtol=1e-5, equal_nan=True)
 
 
+def test_a_long_rows_independent_sums_share_one_pass():
+    """layer_norm over rows longer than a block (looped): the centred sum and the sum of squares
+    read the row in one loop, so the kernel loops three times over it (the mean, the centred
+    sums, the store), not four; a row far from 0 and a constant one stay centred."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 33000) + torch.tensor([[0.0], [500.0], [-800.0]])
+    x[0] = 7.3
+    w, b = torch.randn(33000), torch.randn(33000)
+    fn = lambda x, w, b: F.layer_norm(x, (33000,), w, b).relu()  # noqa: E731
+    compiled = egc.compile(fn, [x, w, b], target="triton")
+    assert sum("for r0 in range" in line for line in compiled.source.splitlines()) == 3, compiled.source
+    want = fn(*(t.double() for t in (x, w, b)))
+    assert (compiled(x, w, b).double() - want).abs().max() <= 2 * (fn(x, w, b).double() - want).abs().max() + 1e-6
+
+
 def test_max_propagates_nan():
     fn = lambda x: x.amax(-1)  # noqa: E731
     x = torch.tensor([[1.0, float("nan"), 3.0], [2.0, 3.0, 1.0]])
