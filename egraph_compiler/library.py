@@ -90,12 +90,13 @@ def on_cpu(call, q, k, v, mask=None, causal=False, scale=None, grouped=False):
     """A query row that meets only NaN scores (a NaN or inf in it, or in every key, so in the
     first): torch's CPU flash kernel treats the row as masked and gives 0; its math kernel,
     which eager picks for other layouts, gives NaN, as the arithmetic does.  The NaN stands.
-    Where the flash kernel takes the operands as they are (4-d, one head size, no grouped
-    heads, no mask or a float one of q's dtype), it is called directly for its logsumexp
+    Where the flash kernel takes the operands as they are (4-d and not empty: it dies of a
+    division by 0 on no queries; one head size, no grouped heads, no mask or a float one of
+    q's dtype), it is called directly for its logsumexp
     too: a row it treats as masked, the only kind that can hide a NaN, has a logsumexp of
     exactly 0, so q is read for the check only when some row's is (on 16 cores the check's
     two sums took 40 us of a 200 us call; 2-3% of a BERT layer's on 2 cores)."""
-    if (not grouped and q.dim() == k.dim() == v.dim() == 4 and q.shape[-1] == k.shape[-1] == v.shape[-1]
+    if (not grouped and q.dim() == k.dim() == v.dim() == 4 and q.numel() and k.numel() and v.numel() and q.shape[-1] == k.shape[-1] == v.shape[-1]
             and q.shape[:2] == k.shape[:2] == v.shape[:2] and k.shape[2] == v.shape[2]
             and q.dtype == k.dtype == v.dtype and (mask is None or (mask.dtype == q.dtype and mask.dim() == 4))):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal,

@@ -808,6 +808,16 @@ def test_sdpa_on_cpu_reads_q_for_its_check_only_where_a_row_looks_masked(form, m
         assert got.isnan().any() == (poison != "q -inf"), poison
 
 
+@pytest.mark.parametrize("q_shape, kv_shape", [((1, 2, 0, 8), (1, 2, 4, 8)), ((0, 2, 3, 8), (0, 2, 4, 8)),
+                                                ((1, 2, 3, 0), (1, 2, 4, 0))])
+def test_sdpa_on_cpu_over_empty_operands(q_shape, kv_shape):
+    """No queries, no batch, no head size: torch's CPU flash kernel called directly dies of a
+    division by 0 on no queries (the process ends with SIGFPE), so empty operands take sdpa."""
+    fn = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True) + 1  # noqa: E731
+    q, k, v = torch.randn(q_shape), torch.randn(kv_shape), torch.randn(kv_shape)
+    torch.testing.assert_close(egc.compile(fn, [q, k, v])(q, k, v), fn(q, k, v))
+
+
 def test_one_tensor_passed_as_two_examples_stays_two_inputs():
     """The same tensor as two example arguments (zeros for two biases): capture traces by tensor,
     so both uses read one input, and a call with two different tensors was wrong (max error 2.6),
