@@ -210,7 +210,8 @@ class _Kernel:
         return groups
 
     def _looped_sums(self, group) -> list[str]:
-        lines = [f"    {red.acc}_b = tl.zeros([XBLOCK, RBLOCK], tl.float32)" for _, red in group]
+        """float32 sums over a long row, accumulated together in one loop over its chunks."""
+        lines = [f"    {red.acc}_b = tl.full([XBLOCK, RBLOCK], 0.0, tl.float32)" for _, red in group]
         lines.append(f"    for r0 in range(0, {self.k.inner}, RBLOCK):")
         lines += self._columns("r0", "        ")
         for _, red in group:
@@ -229,19 +230,16 @@ class _Kernel:
             lines = [f"    {'stash' if stash else acc + '_v'} = {body}"]
             v = "stash" if stash else f"{acc}_v"
             return lines + self._combine(acc, v, is_max, identity, "    ")
-        lines = [f"    {acc}_b = tl.full([XBLOCK, RBLOCK], {identity}, tl.float32)"]
-        if is_max:
-            lines.append(f"    {acc}_n = tl.zeros([XBLOCK, RBLOCK], tl.int32)")
-        lines.append(f"    for r0 in range(0, {self.k.inner}, RBLOCK):")
-        lines += self._columns("r0", "        ")
-        lines.append(f"        {acc}_v = {self.expr(red.body)}")
-        if is_max:
-            lines.append(f"        {acc}_b = tl.maximum({acc}_b, tl.where(mask, {acc}_v, -INF))")
-            lines.append(f"        {acc}_n = {acc}_n | tl.where(mask, ({acc}_v != {acc}_v).to(tl.int32), 0)")
-            return lines + [f"    {acc} = tl.max({acc}_b, axis=1, keep_dims=True)",
-                            f"    {acc} = tl.where(tl.max({acc}_n, axis=1, keep_dims=True) > 0, INF - INF, {acc})"]
-        lines.append(f"        {acc}_b = {acc}_b + tl.where(mask, {acc}_v, 0.0)")
-        return lines + [f"    {acc} = tl.sum({acc}_b, axis=1, keep_dims=True)"]
+        if not is_max:
+            return self._looped_sums([(i, red)])
+        lines = [f"    {acc}_b = tl.full([XBLOCK, RBLOCK], -INF, tl.float32)",
+                 f"    {acc}_n = tl.zeros([XBLOCK, RBLOCK], tl.int32)",
+                 f"    for r0 in range(0, {self.k.inner}, RBLOCK):", *self._columns("r0", "        "),
+                 f"        {acc}_v = {self.expr(red.body)}",
+                 f"        {acc}_b = tl.maximum({acc}_b, tl.where(mask, {acc}_v, -INF))",
+                 f"        {acc}_n = {acc}_n | tl.where(mask, ({acc}_v != {acc}_v).to(tl.int32), 0)"]
+        return lines + [f"    {acc} = tl.max({acc}_b, axis=1, keep_dims=True)",
+                        f"    {acc} = tl.where(tl.max({acc}_n, axis=1, keep_dims=True) > 0, INF - INF, {acc})"]
 
     def _integer_reduction(self, red) -> list[str]:
         """An integer (or bool) sum or max, exact in the accumulator's integer type (no NaN to track)."""
