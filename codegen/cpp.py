@@ -11,6 +11,7 @@ from egraph_compiler.errors import IndexOutOfRange
 from egraph_compiler.loopir import (ERROR_FLAG, STASH, Acc, Call, Const, Load, LoopKernel, contains, gathers,
                                     has_gather, transposed_reads, variables)
 
+from .cpp_across import TILE, column_reduction, columns, tiled
 from .walker import Target, float_literal, render_expr, render_index
 
 CTYPES = {"float32": "float", "float64": "double", "bool": "bool", "int64": "int64_t", "int32": "int32_t",
@@ -185,7 +186,13 @@ def render_kernel(k: LoopKernel) -> str:
     types = {p.name: p.dtype for p in k.params}
     lines = [f'extern "C" void {k.name}({params}) {{']
     if transposed_reads(k) and k.outer >= TILE and k.inner >= TILE:
-        return "\n".join(lines + _tiled(k, types, parallel))
+        return "\n".join(lines + tiled(k, types, parallel, lambda e: _expr(e, types), CTYPES,
+                                        lambda i: render_index(i, TARGET)))
+    if column_reduction(k, _combiner):
+        finish = lambda red: _REDUCTIONS[_combiner(red)][3].format(acc=red.acc, n=k.inner)
+        stores = lambda: [_store(p, i, v, types) for p, i, v, _ in [(k.store_param, k.store_index, k.value, False)]
+                          + list(k.extra_stores)]
+        return "\n".join(lines + columns(k, parallel, lambda e: _expr(e, types), finish, SUM_BLOCK, stores))
     if parallel:
         lines.append("  #pragma omp parallel for schedule(static)")
     lines.append(f"  for (int64_t o = 0; o < {k.outer}; ++o) {{")
@@ -314,33 +321,6 @@ def _outer_only(e) -> bool:
     if isinstance(e, Call):
         return all(_outer_only(a) for a in e.args)
     return isinstance(e, Const)
-
-
-TILE = 32  # a transposing kernel's square tile: its reads of each row's cache line all hit
-
-
-def _tiled(k: LoopKernel, types, parallel: bool) -> list[str]:
-    """A pointwise kernel that reads across rows (a transpose), in TILE x TILE tiles: its
-    values computed in a vector loop along the reads (contiguous there) into a tile on the
-    stack, then stored in a vector loop along the stores.  Along the stores alone, every
-    read is a gather, which g++ does not vectorise around a vector-math call (gelu_tanh
-    then ran scalar tanhf: 4.5 ms against 0.26 untransposed, for 512k elements); along the
-    reads alone, every store a scatter (a plain transpose 12x slower)."""
-    stores = [(k.store_param, k.store_index, k.value)] + [(p, i, v) for p, i, v, _ in k.extra_stores]
-    at = f"[(r - rt) * {TILE} + (o - ot)]"
-    compute = " ".join(f"tile{n}{at} = static_cast<{CTYPES[types[p]]}>({_expr(v, types)});"
-                       for n, (p, _, v) in enumerate(stores))
-    write = " ".join(f"{p}[{render_index(i, TARGET)}] = tile{n}{at};" for n, (p, i, _) in enumerate(stores))
-    o_end, r_end = f"std::min<int64_t>(ot + {TILE}, {k.outer})", f"std::min<int64_t>(rt + {TILE}, {k.inner})"
-    return (["  #pragma omp parallel for collapse(2) schedule(static)"] if parallel else []) + [
-        f"  for (int64_t ot = 0; ot < {k.outer}; ot += {TILE}) {{",
-        f"    for (int64_t rt = 0; rt < {k.inner}; rt += {TILE}) {{"] + [
-        f"      alignas(64) {CTYPES[types[p]]} tile{n}[{TILE * TILE}];" for n, (p, _, _) in enumerate(stores)] + [
-        f"      for (int64_t r = rt; r < {r_end}; ++r) {{", "        #pragma omp simd",
-        f"        for (int64_t o = ot; o < {o_end}; ++o) {{ {compute} }}", "      }",
-        f"      for (int64_t o = ot; o < {o_end}; ++o) {{", "        #pragma omp simd",
-        f"        for (int64_t r = rt; r < {r_end}; ++r) {{ {write} }}", "      }",
-        "    }", "  }", "}"]
 
 
 def _passes(k: LoopKernel) -> list[list]:

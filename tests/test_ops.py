@@ -425,7 +425,7 @@ def test_the_cuda_steps_of_attention_match_eager(name):
     assert want.isnan().any() == (op == "softmax_attention")  # (NaN where expected, and nowhere else)
 
 
-TRANSPOSING = {  # a pointwise kernel that reads across rows: C++ runs it in tiles (codegen/cpp._tiled)
+TRANSPOSING = {  # a pointwise kernel that reads across rows: C++ runs it in tiles (codegen/cpp_across.tiled)
     "gelu_of_a_transpose": (lambda x: F.gelu(x, approximate="tanh").t() * 1.0, (1024, 96), torch.float32),
     "ragged_tiles": (lambda x: x.t().exp() - 1.0, (70, 45), torch.float32),
     "bf16": (lambda x: (x.t() * 3).relu(), (64, 40), torch.bfloat16),
@@ -443,6 +443,41 @@ def test_transposing_kernels_run_in_tiles(name):
     assert "rt +=" in compiled.source, compiled.source[-1500:]
     assert not compiled.plan.fallbacks, str(compiled.plan)
     torch.testing.assert_close(compiled(x), fn(x))
+
+
+COLUMN_SUMS = {  # sums over a matrix's rows, read across them: C++ runs columns of accumulators (cpp_across.columns)
+    "bias_grad": (lambda x: x.sum(0), (512, 1024), torch.float32),
+    "mean_keepdim_and_a_broadcast_row_weight": (lambda x: (x * x[:, :1]).mean(0, keepdim=True) - 1.0, (300, 40),
+                                                torch.float32),
+    "two_sums_one_pass": (lambda x: (x.sum(0), (x * x).sum(0)), (257, 33), torch.float32),
+    "ragged_block_of_columns": (lambda x: x.sum(0) * 2.0, (1000, 17), torch.float32),
+    "over_a_transpose": (lambda x: x.t().sum(1), (600, 50), torch.float32),
+    "bf16": (lambda x: x.sum(0), (700, 48), torch.bfloat16),
+    "fp16": (lambda x: x.sum(0), (200, 64), torch.float16),
+    "middle_dim": (lambda x: x.sum(1), (3, 200, 64), torch.float32),  # (o through % and /: the row loop, as before)
+    "no_rows": (lambda x: (x.sum(0), x.mean(0)), (0, 64), torch.float32),
+    "one_row": (lambda x: x.sum(0) + 1.0, (1, 64), torch.float32),
+    "long_columns": (lambda x: x.sum(0), (20000, 24), torch.float32),
+}
+
+
+@pytest.mark.parametrize("name", sorted(COLUMN_SUMS))
+def test_column_sums_run_as_columns_of_accumulators(name):
+    """Each against eager and against float64 (the blocked float accumulators keep a long column's
+    sum as accurate as a row's); the column form is the one rendered where rows are read across."""
+    fn, shape, dtype = COLUMN_SUMS[name]
+    torch.manual_seed(0)
+    x = (torch.randn(shape) + 0.5).to(dtype)
+    compiled = egraph_compiler.compile(fn, [x])
+    assert not compiled.plan.fallbacks, str(compiled.plan)
+    if 0 not in shape and shape[0] > 1 and len(shape) == 2:
+        assert "ob +=" in compiled.source, compiled.source[-1500:]
+    got, want = compiled(x), fn(x)
+    torch.testing.assert_close(got, want, rtol=2e-2 if dtype != torch.float32 else 1e-5, atol=1e-3, equal_nan=True)
+    exact = fn(x.double())
+    for g, e in zip(got if isinstance(got, tuple) else [got], exact if isinstance(exact, tuple) else [exact]):
+        if dtype == torch.float32:
+            torch.testing.assert_close(g.double(), e, rtol=1e-6, atol=1e-4, equal_nan=True)
 
 
 @pytest.mark.parametrize("target", ["cpu", "triton"])
