@@ -79,18 +79,26 @@ def capture(fn, example_inputs) -> tuple[Graph, str]:
     user_index = 0
     device = next((t.device for t in [*example_inputs, *program.state_dict.values()] if isinstance(t, torch.Tensor)),
                   None)
+    mutated = {spec.target for spec in program.graph_signature.output_specs if spec.kind.name == "USER_INPUT_MUTATION"}
+    orders: dict[str, tuple] = {}
     for fx_node in gm.graph.nodes:
         if fx_node.op == "placeholder":
             val = fx_node.meta["val"]
             spec = kinds[fx_node.name]
-            name = user_names[user_index] if spec.kind.name == "USER_INPUT" else spec.target.replace(".", "_")
-            node = input_node(name, tuple(val.shape), str(val.dtype).removeprefix("torch."))
-            if spec.kind.name == "USER_INPUT":
+            user = spec.kind.name == "USER_INPUT"
+            name = user_names[user_index] if user else spec.target.replace(".", "_")
+            dims = storage_order(val) if user and fx_node.name not in mutated else None
+            shape = tuple(val.shape) if dims is None else tuple(val.shape[d] for d in dims)
+            node = input_node(name, shape, str(val.dtype).removeprefix("torch."))
+            if user:
                 user_index += 1
             else:
                 bound[name] = _bound(module, program, spec.target, device)
             inputs.append(node)
             env[fx_node.name] = node
+            if dims is not None:
+                orders[name] = (dims, tuple(val.shape))
+                env[fx_node.name] = Node.make("permute", (node,), {"dims": tuple(dims.index(d) for d in range(len(dims)))})
             placeholder_names[fx_node.name] = name
         elif fx_node.op == "call_function":
             if "val" not in fx_node.meta and not fx_node.users:
@@ -98,9 +106,29 @@ def capture(fn, example_inputs) -> tuple[Graph, str]:
             env[fx_node.name] = _convert(fx_node, env, where)
         elif fx_node.op == "output":
             outs = tuple(env[a.name] if isinstance(a, torch.fx.Node) else Literal(a) for a in fx_node.args[0])
+            transposed = {id(env[a.name]): tuple(a.meta["val"].stride()) for a in fx_node.args[0]
+                          if isinstance(a, torch.fx.Node) and storage_order(a.meta.get("val")) is not None}
     outs, mutations, leaves = _split_outputs(program, outs, placeholder_names)
-    graph = Graph(inputs, outs, bound, where, mutations, (program.call_spec.out_spec, leaves))
+    strides = {i: transposed[id(n)] for i, n in enumerate(outs[:len(outs) - len(mutations)]) if id(n) in transposed}
+    graph = Graph(inputs, outs, bound, where, mutations, (program.call_spec.out_spec, leaves), orders=orders,
+                  output_strides=strides)
     return graph, gm.code.strip()
+
+
+def storage_order(val) -> tuple | None:
+    """The dims of a tensor that is a permutation of a dense one (a transpose), outermost in
+    memory first; None where it is contiguous already, or has gaps, an offset or repeats."""
+    if (not isinstance(val, torch.Tensor) or val.dim() < 2 or val.is_contiguous() or val.storage_offset() != 0
+            or not all(isinstance(n, int) for n in (*val.shape, *val.stride()))):
+        return None
+    dims = tuple(sorted(range(val.dim()), key=lambda d: (-val.stride(d), d)))
+    expected = 1
+    for d in reversed(dims):
+        if val.shape[d] != 1:
+            if val.stride(d) != expected:
+                return None
+            expected *= val.shape[d]
+    return dims
 
 
 def _bound(module: torch.nn.Module, program, target: str, device) -> Bound:

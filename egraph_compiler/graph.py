@@ -203,6 +203,13 @@ class Graph:
     # Literal(value) for a non-tensor the program returns; None: the outputs as a tuple
     results: tuple | None = None
     eclass: dict[int, str] = field(default_factory=dict)  # id(node) -> its e-class (an extracted graph's)
+    # user inputs captured in their storage's order (a transposed tensor: a training backward's
+    # saved activations): input name -> (dims, the caller's shape); the input node holds
+    # `caller.permute(dims)`, dense, and the program reads it back through a permute
+    orders: dict[str, tuple] = field(default_factory=dict)
+    # outputs that eager returns as a transpose of a dense tensor: position -> its strides (the
+    # runtime hands such a view of its own buffer out as it is; any other layout is a copy)
+    output_strides: dict[int, tuple] = field(default_factory=dict)
 
     @property
     def user_outputs(self) -> int:
@@ -270,6 +277,15 @@ def format_nodes(inputs, outputs) -> str:
 
 
 # ---- kernel structure: which nodes one kernel computes (inline edges) ----
+
+def view_chain(node: Node) -> list[Node]:
+    """A node and the views it reads through, down to its source (included)."""
+    chain = [node]
+    while node.group == "layout":
+        node = node.args[0]
+        chain.append(node)
+    return chain
+
 
 def view_source(node: Node) -> Node:
     """The tensor a chain of views reads from."""

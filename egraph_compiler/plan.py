@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from . import ops
 from .cost import ELEMENTWISE, DeviceProfile, extra_passes, itemsize, kernel_cost, op_flops, repeats
 from .errors import CodegenError
-from .graph import Graph, Node, rebuild, topo_order, type_str, view_source
+from .graph import Graph, Node, rebuild, topo_order, type_str, view_chain, view_source
 from .lower import illegal_edges, oversized_edges
 
 
@@ -140,6 +140,7 @@ def _kernels(graph: Graph, profile: DeviceProfile, target, alias_inputs: bool = 
     kernels: list[Kernel] = []
     fallbacks: list[str] = []
     done: set[int] = set()
+    called = _called_views(graph)
     stack = [(o, False) for o in reversed(graph.outputs)]
     while stack:
         node, ready = stack.pop()
@@ -148,7 +149,7 @@ def _kernels(graph: Graph, profile: DeviceProfile, target, alias_inputs: bool = 
         if node.group == "source":
             done.add(id(node))
             continue
-        if node.group == "layout" and view_source(node).op != "inline":
+        if node.group == "layout" and id(node) not in called and _stored_below(node, called).op != "inline":
             done.add(id(node))
             stack.append((node.args[0], False))  # a view: only its source must exist
             continue
@@ -165,6 +166,22 @@ def _kernels(graph: Graph, profile: DeviceProfile, target, alias_inputs: bool = 
         if kind == "aten":
             fallbacks.append(_fallback_entry(node, reason, graph))
     return Plan(graph, kernels, fallbacks, alias_inputs=alias_inputs, profile=profile)
+
+
+def _called_views(graph: Graph) -> frozenset:
+    """Views of fused producers that a library call reads: each is a generated kernel of its own
+    (kernel_body), so a view of it elsewhere (a training forward's saved transpose of the
+    activation the next matmul reads) reads that kernel's buffer instead of computing it again."""
+    return frozenset(id(a) for n in topo_order(graph.outputs) if n.group in ops.CALLS for a in n.args
+                     if a.group == "layout" and view_source(a).op == "inline")
+
+
+def _stored_below(node: Node, called: frozenset) -> Node:
+    """What a chain of views reads: its source, or the nearest view below it that a kernel stores."""
+    node = node.args[0]
+    while node.group == "layout" and id(node) not in called:
+        node = node.args[0]
+    return node
 
 
 def _fallback_entry(node: Node, reason: str, graph: Graph) -> str:
@@ -300,7 +317,7 @@ def release_schedule(plan: Plan) -> list[list[Node]]:
     """Per kernel, the intermediate buffers that no later kernel (nor a program
     output) reads, so the runtime can drop them.  A kernel reads its `inputs`:
     every materialised tensor below it, including those its fused producers read."""
-    keep = {id(o) for o in plan.graph.outputs} | {id(view_source(o)) for o in plan.graph.outputs} | \
+    keep = {id(n) for o in plan.graph.outputs for n in view_chain(o)} | \
         {id(n) for n in plan.graph.inputs}  # an output stored as a view (of a fused producer) is kept too
     last: dict[int, tuple[int, Node]] = {}
     for step, kernel in enumerate(plan.kernels):
@@ -337,7 +354,7 @@ def verify_plan(plan: Plan, release: list[list[Node]] | None = None) -> None:
             live.discard(id(dead))
             released.add(id(dead))
     for o in plan.graph.outputs:
-        if not {id(o), id(view_source(o))} & live and view_source(o).op not in ("input", "const"):
+        if not {id(n) for n in view_chain(o)} & live and view_source(o).op not in ("input", "const"):
             raise PlanError(f"output {o.op}{list(o.shape)} is never computed")
     if not all(op in ops.OPS for op in plan.ops()):
         raise PlanError("plan holds an op outside the table")

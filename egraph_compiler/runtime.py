@@ -53,7 +53,9 @@ class Executable:
         self.wrapper = _straight_line(self, {lk.name: lk for lk in loops}, nodes, release)
         self._run = self._runner(self.wrapper.names)
         bound = self.graph.bound
-        self._specs = [(n, id(n), n.shape, torch_dtype(n.dtype)) for n in self.graph.inputs  # per user input
+        orders = self.graph.orders  # (an input in its storage's order: the caller's tensor permuted)
+        self._specs = [(n, id(n), orders.get(n.attr("name"), (None, n.shape))[1], torch_dtype(n.dtype),
+                        orders.get(n.attr("name"), (None,))[0]) for n in self.graph.inputs  # per user input
                        if n.attr("name") not in bound]
         self._bound_specs = [(n, id(n), bound[n.attr("name")]) for n in self.graph.inputs if n.attr("name") in bound]
         self.graphed = None
@@ -175,21 +177,23 @@ class Executable:
             raise InputError(f"expected {len(self._specs)} tensor argument(s) "
                              f"({', '.join(n.attr('name') for n, *_ in self._specs)}), got {len(args)}")
         env = {}
-        for (node, key, shape, dtype), value in zip(self._specs, args):
+        for (node, key, shape, dtype, dims), value in zip(self._specs, args):
             if not (isinstance(value, torch.Tensor) and value.dtype == dtype and value.shape == shape
                     and (value.is_cuda if cuda else value.is_cpu)):
-                value = self._check(node, value)
+                value = self._check(node, value, shape)
+            if dims is not None:
+                value = value.permute(dims)  # (dense where the caller's strides are the captured ones)
             env[key] = value if graphed or value.is_contiguous() else value.contiguous()  # (graphs.py: inside)
         for node, key, bound in self._bound_specs:
             env[key] = self._check(node, bound.get())
         return env
 
-    def _check(self, node: Node, value) -> torch.Tensor:
-        name = node.attr("name")
+    def _check(self, node: Node, value, shape=None) -> torch.Tensor:
+        name, shape = node.attr("name"), node.shape if shape is None else shape
         if not isinstance(value, torch.Tensor):
             raise InputError(f"argument {name!r} must be a torch.Tensor, got {type(value).__name__}")
-        if tuple(value.shape) != node.shape or value.dtype != torch_dtype(node.dtype):
-            raise InputError(f"argument {name!r}: compiled for {node.dtype}{list(node.shape)}, "
+        if tuple(value.shape) != shape or value.dtype != torch_dtype(node.dtype):
+            raise InputError(f"argument {name!r}: compiled for {node.dtype}{list(shape)}, "
                              f"got {str(value.dtype).removeprefix('torch.')}{list(value.shape)}; compile again "
                              f"for the new shape")
         if value.device.type != self.target.device:
@@ -238,9 +242,28 @@ class Executable:
             return value.clone()
         if kind == "alias" and (not copy or self.graphed.in_place(source)):
             return value.detach()  # a view of the caller's tensor, as torch returns it
-        if copy or kind != "computed" or not value.is_contiguous():
+        if copy or kind != "computed" or not (value.is_contiguous() or self._as_eager(i, value)):
             return value.clone(memory_format=torch.contiguous_format)  # never alias the caller's tensors
-        return value
+        return value  # (a transpose of a buffer of ours as it is, with eager's strides: a training
+        # forward's saved activation, which backward reads in place)
+
+    def _as_eager(self, i: int, value: torch.Tensor) -> bool:
+        """Output `i` is a whole buffer of ours seen through a permutation of its dims, with
+        the strides eager gives it (eager's contiguous results stay contiguous: `.view` works)."""
+        strides = self.graph.output_strides.get(i)
+        return strides is not None and value.stride() == strides and _permuted(value)
+
+
+def _permuted(value: torch.Tensor) -> bool:
+    """A whole buffer seen through a permutation of its dims (no gaps, no repeats)."""
+    if value.storage_offset() != 0 or value.untyped_storage().nbytes() != value.numel() * value.element_size():
+        return False
+    expected = 1
+    for stride, size in sorted((st, n) for st, n in zip(value.stride(), value.shape) if n != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 @dataclass

@@ -86,6 +86,39 @@ def test_outputs_never_alias_inputs():
     assert out.data_ptr() != inputs[0].data_ptr()
 
 
+def test_a_transposed_output_is_a_view_of_the_buffer_computed_once():
+    """h and h.t() both returned: one gelu kernel, and h.t() with eager's strides (a training
+    forward's saved transpose of the activation the next matmul reads)."""
+    def fn(x, w):
+        h = F.gelu(x @ w, approximate="tanh")
+        return h @ w.t(), h.t(), h.t() * 1.0, (h + 1.0).t().contiguous(), h.t().reshape(-1)
+    x, w = torch.randn(48, 16), torch.randn(16, 16)
+    compiled = egc.compile(fn, [x, w])
+    assert compiled.plan.count("gelu_tanh") == 1, str(compiled.plan)
+    got, want = compiled(x, w), fn(x, w)
+    for g, e in zip(got, want):
+        torch.testing.assert_close(g, e)
+        assert g.stride() == e.stride()  # (eager keeps a transposed operand's layout in pointwise ops)
+    assert got[1].stride() == (1, 16) and got[3].is_contiguous()
+    got[3].view(-1)  # (a result eager gives contiguous is contiguous: .view works on it)
+
+
+@pytest.mark.parametrize("make", [lambda: torch.randn(24, 16).t(), lambda: torch.randn(2, 5, 3).permute(2, 0, 1),
+                                  lambda: torch.randn(6, 1, 4).transpose(0, 2)])
+def test_an_input_with_permuted_strides_is_read_in_its_storage_order(make):
+    """Captured as the dense tensor it permutes, read back through a permute (no copy per call);
+    a later call with other strides (contiguous, or a slice with gaps) is copied and still right."""
+    def fn(x, b):
+        return (x * 2.0 + b).sum(-1), x.exp()
+    x = make()
+    b = torch.randn(x.shape[-1])
+    compiled = egc.compile(fn, [x, b])
+    assert "x" in compiled.plan.graph.orders, compiled.plan.graph.orders
+    for arg in (x, x.contiguous(), torch.randn(*x.shape, 2)[..., 0]):
+        for g, e in zip(compiled(arg, b), fn(arg, b)):
+            torch.testing.assert_close(g, e)
+
+
 def test_module_with_parameters_uses_live_weights():
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
     x = torch.randn(5, 8)

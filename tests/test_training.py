@@ -134,6 +134,12 @@ def test_transformers_model_trains(name):
     assert fallbacks <= OUTSIDE_BLOCKS, fallbacks
     # attention's backward is matmuls and fused softmax backward, not torch's fused attention backward
     assert not any("attention" in f.split(" ")[0] for p in plans for f in p.fallbacks)
+    # the saved transposes (the weight gradients' operands) are views of the forward's buffers, not
+    # the activation computed again into a transposed store; backward reads them in place
+    forward, backward = plans[0], plans[1]
+    again = [str(k) for k in forward.kernels if k.kind == "generated" and k.output.op in ("transpose", "permute")]
+    assert not again, again
+    assert backward.graph.orders, "backward reads its transposed inputs in their storage's order"
 
 
 @pytest.mark.parametrize("target", ["cpu", "triton"])

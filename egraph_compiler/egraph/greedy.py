@@ -140,10 +140,20 @@ class KernelExtractor:
         return True
 
     def _offer_materialised(self, class_id, en, body) -> bool:
+        option = self._materialised(class_id, en, body)
+        if option is None:
+            return False
+        old = self.mat.get(class_id)
+        if old is not None and option.total >= old.total - 1e-15:
+            return False
+        self.mat[class_id] = option
+        return True
+
+    def _materialised(self, class_id, en, body) -> Option | None:
         group = ops.group_of(en.op)
         flops, loads, needed, inlined, _ = body
         if class_id in needed or class_id in inlined:
-            return False  # a cycle through this class
+            return None  # a cycle through this class
         has_inline = any(c in self.inline_of for c in en.children)
         if group == "source":
             cost = 0.0
@@ -154,12 +164,38 @@ class KernelExtractor:
             cost = kernel_cost(flops, loads + self.bytes(class_id), self.profile, library=group == "library",
                                link=group == "collective", serial_bytes=extra, op=en.op)
         needed = {**needed, class_id: cost}
-        total = sum(needed.values())
-        old = self.mat.get(class_id)
-        if old is not None and total >= old.total - 1e-15:
-            return False
-        self.mat[class_id] = Option(total, en, needed)
-        return True
+        return Option(sum(needed.values()), en, needed)
+
+    def share_roots(self) -> None:
+        """Each output's cheapest term is chosen as if it were alone; where it computes
+        again what the other outputs' terms already store (a training forward's saved
+        transpose of an activation the next matmul reads: fused into a kernel of its own
+        rather than viewed), the term that costs least beside theirs is taken instead.
+        Only an output no other output's term reads changes (another's cost would change
+        with it), so each change lowers the program's DAG cost."""
+        roots = list(dict.fromkeys(self.eg.roots))
+        for _ in range(3):
+            changed = False
+            for r in roots:
+                others: dict[str, float] = {}
+                for o in roots:
+                    if o != r:
+                        others.update(self.mat[o].needed)
+                if r in others:
+                    continue
+
+                def marginal(option: Option) -> float:
+                    return sum(cost for c, cost in option.needed.items() if c not in others)
+                best, best_cost = self.mat[r], marginal(self.mat[r])
+                for en in self.eg.classes[r]:
+                    body = self._body(en) if id(en) not in self.banned else None
+                    option = self._materialised(r, en, body) if body is not None else None
+                    if option is not None and marginal(option) < best_cost - 1e-12:
+                        best, best_cost = option, marginal(option)
+                if best is not self.mat[r]:
+                    self.mat[r], changed = best, True
+            if not changed:
+                return
 
     def cost_of(self, roots) -> float:
         used: dict[str, float] = {}
@@ -177,6 +213,7 @@ def extract_kernels(eg: EClassGraph, graph: Graph, profile: DeviceProfile,
     missing = [r for r in eg.roots if r not in extractor.mat]
     if missing:
         raise UnsoundRuleError(f"no finite term for output class(es) {missing}")
+    extractor.share_roots()
     return build(eg, extractor, graph), extractor.cost_of(eg.roots)
 
 
@@ -184,6 +221,8 @@ def chosen_enodes(eg: EClassGraph, profile: DeviceProfile, banned: frozenset = f
     """The e-nodes the cheapest program uses (each once, outputs first)."""
     extractor = KernelExtractor(eg, profile, banned)
     extractor.run()
+    if all(r in extractor.mat for r in eg.roots):
+        extractor.share_roots()
     seen, out, stack = set(), [], [(r, "mat") for r in eg.roots]
     while stack:
         class_id, mode = stack.pop()
