@@ -98,15 +98,36 @@ def additive_kernel_cost(flops: float, loads: float, store: float, profile: Devi
     return flops / peak + (loads + store + serial_bytes) / profile.bandwidth + launch_cost(profile, library, op)
 
 
-def extra_passes(op: str, in_shapes) -> int:
+def extra_passes(op: str, in_shapes, attrs=None) -> int:
     """Passes over its output that a library call makes beyond writing it once,
     each a separate pass (charged after the roofline, not overlapped with it).
     torch's linear with a bias (addmm) first fills the output with the bias, then
     accumulates the product into it: one more write and one more read than a
     matmul.  Measured on gpt_block: addmm 25-40% slower than matmul on 2 and 16
     CPU cores and on the H200, where the bias added in the consumer's generated
-    kernel costs next to nothing (BENCHMARKS.md, "bias in the epilogue")."""
-    return 2 if op == "linear" and len(in_shapes) > 2 and len(in_shapes[2]) >= 1 else 0
+    kernel costs next to nothing (BENCHMARKS.md, "bias in the epilogue").
+    A generated kernel whose store transposes its innermost dim (`attrs`: the root's) goes
+    through a tile, or stores across rows: one more pass (on 2 CPU cores a [512, 1024] silu*mul
+    took 0.59 ms stored transposed against 0.25 ms in order; a library call takes the transpose
+    of the value stored in order as a view, for free)."""
+    if op == "linear" and len(in_shapes) > 2 and len(in_shapes[2]) >= 1:
+        return 2
+    return 1 if attrs is not None and moves_inner_dim(op, attrs, in_shapes[0] if in_shapes else ()) else 0
+
+
+def moves_inner_dim(op: str, attrs, shape) -> bool:
+    """A transpose or permute that takes another dim of `shape` (both longer than 1) innermost."""
+    rank = len(shape)
+    if rank < 2 or shape[-1] == 1:
+        return False
+    if op == "transpose":
+        d0, d1 = ops.norm_dim(attrs["dim0"], rank), ops.norm_dim(attrs["dim1"], rank)
+        other = d1 if d0 == rank - 1 else d0 if d1 == rank - 1 else None
+        return other is not None and other != rank - 1 and shape[other] > 1
+    if op == "permute":
+        inner = ops.norm_dim(attrs["dims"][-1], rank)
+        return inner != rank - 1 and shape[inner] > 1
+    return False
 
 
 # ops whose value a consumer's kernel computes per element where it reads it (a reduction or a

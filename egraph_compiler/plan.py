@@ -153,7 +153,7 @@ def _kernels(graph: Graph, profile: DeviceProfile, target, alias_inputs: bool = 
             done.add(id(node))
             stack.append((node.args[0], False))  # a view: only its source must exist
             continue
-        body, inputs = kernel_body(node)
+        body, inputs = kernel_body(node, views=called)
         if not ready:
             stack.append((node, True))
             stack.extend((i, False) for i in reversed(inputs) if id(i) not in done)
@@ -191,10 +191,13 @@ def _fallback_entry(node: Node, reason: str, graph: Graph) -> str:
     return f"{node.op} ({reason}; {graph.where.get(id(node), 'no source line')})"
 
 
-def kernel_body(root: Node, stored: frozenset = frozenset()) -> tuple[list[Node], list[Node]]:
+def kernel_body(root: Node, stored: frozenset = frozenset(), views: frozenset = frozenset()) -> tuple[list[Node], list[Node]]:
     """(nodes computed by the kernel rooted at `root`, in order; the
     materialised tensors it reads).  `stored`: ids of fused values another
-    kernel stores (sharing.py), read here instead of computed."""
+    kernel stores (sharing.py), read here instead of computed; `views`: views of
+    fused producers that kernels store (`_called_views`), which a library call
+    reads through the views above them (LLaMA's backward: the transpose of the
+    silu * up product it stores for one matmul, for another's weight gradient)."""
     body: list[Node] = []
     inputs: list[Node] = []
     computed: set[int] = set()
@@ -205,8 +208,14 @@ def kernel_body(root: Node, stored: frozenset = frozenset()) -> tuple[list[Node]
     def operand(a: Node) -> None:
         view = a
         while a.group == "layout":  # views are index maps over their source
+            if calls and a is not view and id(a) in views:
+                break
             a = a.args[0]
-        if a.op == "inline" and id(a.args[0]) in stored and not calls:
+        if a.group == "layout":  # a stored view below the call's own
+            if id(a) not in read:
+                read.add(id(a))
+                inputs.append(a)
+        elif a.op == "inline" and id(a.args[0]) in stored and not calls:
             a = a.args[0]
             if id(a) not in read:
                 read.add(id(a))
@@ -289,7 +298,7 @@ def estimate(kernel: Kernel, profile: DeviceProfile) -> None:
     times = evaluations(kernel)
     kernel.flops = sum(op_flops(n.op, n.shape, [a.shape for a in n.args], profile) * times.get(id(n), 1.0)
                        for n in kernel.ops if n.group not in ("layout", "extern", "boundary", "source"))
-    extra = extra_passes(node.op, [a.shape for a in node.args]) * node.numel * itemsize(node.dtype)
+    extra = extra_passes(node.op, [a.shape for a in node.args], node.a) * node.numel * itemsize(node.dtype)
     kernel.seconds = kernel_cost(kernel.flops, kernel.bytes, profile, library=kernel.kind == "library",
                                  link=node.group == "collective", serial_bytes=extra, op=node.op)
 

@@ -103,6 +103,21 @@ def test_a_transposed_output_is_a_view_of_the_buffer_computed_once():
     got[3].view(-1)  # (a result eager gives contiguous is contiguous: .view works on it)
 
 
+@pytest.mark.parametrize("target", ["cpu", "triton"])
+def test_matmuls_read_a_fused_value_and_its_transpose_from_one_buffer(target):
+    """A weight gradient's pattern (LLaMA's backward): silu(a) * b feeds one matmul and, transposed,
+    another; both read the buffer stored in order (a transposed store costs a pass more)."""
+    def fn(a, b, w, g):
+        h = F.silu(a) * b
+        return h @ w, h.t() @ g
+    a, b, w, g = torch.randn(64, 48), torch.randn(64, 48), torch.randn(48, 16), torch.randn(64, 8)
+    compiled = egc.compile(fn, [a, b, w, g], target=target)
+    generated = [k for k in compiled.plan.kernels if k.kind == "generated"]
+    assert len(generated) == 1 and generated[0].output.op not in ("transpose", "permute"), str(compiled.plan)
+    for got, want in zip(compiled(a, b, w, g), fn(a, b, w, g)):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("make", [lambda: torch.randn(24, 16).t(), lambda: torch.randn(2, 5, 3).permute(2, 0, 1),
                                   lambda: torch.randn(6, 1, 4).transpose(0, 2)])
 def test_an_input_with_permuted_strides_is_read_in_its_storage_order(make):

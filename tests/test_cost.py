@@ -117,3 +117,14 @@ def test_an_elementwise_producer_is_charged_once_per_element_of_the_consumer_tha
     assert repeats("layout", 16 * 8192, 8192) == 16  # an expand
     assert repeats("pointwise", 8192, 8192) == 1
     assert repeats("reduction", 1, 8192) == 1 and repeats("row", 8192, 8192) == 1  # read once per element
+
+
+def test_a_transposing_store_is_charged_one_more_pass():
+    from egraph_compiler.cost import extra_passes
+    assert extra_passes("transpose", [(64, 48)], {"dim0": -2, "dim1": -1}) == 1
+    assert extra_passes("permute", [(2, 64, 48)], {"dims": (0, 2, 1)}) == 1
+    assert extra_passes("permute", [(2, 64, 48)], {"dims": (1, 0, 2)}) == 0  # the inner dim stays inner
+    assert extra_passes("transpose", [(2, 64, 48)], {"dim0": 0, "dim1": 1}) == 0
+    assert extra_passes("transpose", [(64, 1)], {"dim0": 0, "dim1": 1}) == 0  # a reshape in effect
+    assert extra_passes("transpose", [(1, 64)], {"dim0": 0, "dim1": 1}) == 0
+    assert extra_passes("linear", [(8, 4), (6, 4), (6,)]) == 2 and extra_passes("matmul", [(8, 4), (4, 6)]) == 0

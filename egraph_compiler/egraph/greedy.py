@@ -160,7 +160,7 @@ class KernelExtractor:
         elif group == "layout" and not has_inline:
             cost = VIEW_COST  # a view of a materialised tensor
         else:
-            extra = extra_passes(en.op, [self.eg.shape[c] for c in en.children]) * self.bytes(class_id)
+            extra = extra_passes(en.op, [self.eg.shape[c] for c in en.children], en.attrs) * self.bytes(class_id)
             cost = kernel_cost(flops, loads + self.bytes(class_id), self.profile, library=group == "library",
                                link=group == "collective", serial_bytes=extra, op=en.op)
         needed = {**needed, class_id: cost}

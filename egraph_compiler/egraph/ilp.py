@@ -60,7 +60,7 @@ def node_cost(ex: KernelExtractor, class_id: str, en: ENode, use: str) -> float 
     if use == MAT and group == "layout" and not inline_children:
         return VIEW_COST
     if use == MAT:
-        extra = extra_passes(en.op, [ex.eg.shape[c] for c in en.children]) * ex.bytes(class_id)
+        extra = extra_passes(en.op, [ex.eg.shape[c] for c in en.children], en.attrs) * ex.bytes(class_id)
         return additive_kernel_cost(flops, loads, ex.bytes(class_id), profile, library=group == "library",
                                     link=group == "collective", serial_bytes=extra, op=en.op)
     return inlined_cost(flops, loads, profile)
