@@ -50,7 +50,7 @@ def alternatives(fn, example_inputs, count: int = 5, budget: int = 200, **option
     seen, queue, tries = {str(chosen.graph)}, [frozenset()], 0
     while queue and tries < budget and len(distinct) < count * 4 + 1:
         bans = queue.pop(0)
-        for en in chosen_enodes(eclasses, profile, bans):
+        for en in chosen_enodes(eclasses, profile, bans, frozenset(graph.output_strides)):
             if en.op in ("input", "const") or tries >= budget:
                 continue
             tries += 1

@@ -426,7 +426,7 @@ def test_the_cuda_steps_of_attention_match_eager(name):
 
 
 TRANSPOSING = {  # a pointwise kernel that reads across rows: C++ runs it in tiles (codegen/cpp_across.tiled)
-    "gelu_of_a_transpose": (lambda x: F.gelu(x, approximate="tanh").t() * 1.0, (1024, 96), torch.float32),
+    "gelu_of_a_transpose": (lambda x: F.gelu(x, approximate="tanh").t().contiguous(), (1024, 96), torch.float32),
     "ragged_tiles": (lambda x: x.t().exp() - 1.0, (70, 45), torch.float32),
     "bf16": (lambda x: (x.t() * 3).relu(), (64, 40), torch.bfloat16),
     "integers": (lambda x: x.t() * 2 + 1, (48, 33), torch.int64),

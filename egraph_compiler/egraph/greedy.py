@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 
 from .. import ops
 from ..cost import (ELEMENTWISE, VIEW_COST, DeviceProfile, extra_passes, inlined_cost, itemsize, kernel_cost,
-                    op_flops, repeats)
+                    moves_inner_dim, op_flops, repeats)
 from ..errors import CodegenError, UnsoundRuleError
 from ..graph import WEAK, Graph, Node
 from .extract import EClassGraph, ENode
@@ -166,13 +166,16 @@ class KernelExtractor:
         needed = {**needed, class_id: cost}
         return Option(sum(needed.values()), en, needed)
 
-    def share_roots(self) -> None:
+    def share_roots(self, strided: frozenset = frozenset()) -> None:
         """Each output's cheapest term is chosen as if it were alone; where it computes
         again what the other outputs' terms already store (a training forward's saved
         transpose of an activation the next matmul reads: fused into a kernel of its own
         rather than viewed), the term that costs least beside theirs is taken instead.
         Only an output no other output's term reads changes (another's cost would change
-        with it), so each change lowers the program's DAG cost."""
+        with it), so each change lowers the program's DAG cost.  A transposing view of a
+        stored value is free only where eager returns the output so (`strided`: root
+        positions, Graph.output_strides); elsewhere the runtime copies it, a read and a write."""
+        contiguous = {r for i, r in enumerate(self.eg.roots) if i not in strided}
         roots = list(dict.fromkeys(self.eg.roots))
         for _ in range(3):
             changed = False
@@ -185,7 +188,12 @@ class KernelExtractor:
                     continue
 
                 def marginal(option: Option) -> float:
-                    return sum(cost for c, cost in option.needed.items() if c not in others)
+                    en = option.node
+                    copy = (r in contiguous and ops.group_of(en.op) == "layout"
+                            and not any(c in self.inline_of for c in en.children)
+                            and moves_inner_dim(en.op, en.attrs, self.eg.shape[en.children[0]]))
+                    return sum(cost for c, cost in option.needed.items() if c not in others) + \
+                        (2 * self.bytes(r) / self.profile.bandwidth if copy else 0.0)
                 best, best_cost = self.mat[r], marginal(self.mat[r])
                 for en in self.eg.classes[r]:
                     body = self._body(en) if id(en) not in self.banned else None
@@ -213,16 +221,17 @@ def extract_kernels(eg: EClassGraph, graph: Graph, profile: DeviceProfile,
     missing = [r for r in eg.roots if r not in extractor.mat]
     if missing:
         raise UnsoundRuleError(f"no finite term for output class(es) {missing}")
-    extractor.share_roots()
+    extractor.share_roots(frozenset(graph.output_strides))
     return build(eg, extractor, graph), extractor.cost_of(eg.roots)
 
 
-def chosen_enodes(eg: EClassGraph, profile: DeviceProfile, banned: frozenset = frozenset()) -> list[ENode]:
+def chosen_enodes(eg: EClassGraph, profile: DeviceProfile, banned: frozenset = frozenset(),
+                  strided: frozenset = frozenset()) -> list[ENode]:
     """The e-nodes the cheapest program uses (each once, outputs first)."""
     extractor = KernelExtractor(eg, profile, banned)
     extractor.run()
     if all(r in extractor.mat for r in eg.roots):
-        extractor.share_roots()
+        extractor.share_roots(strided)
     seen, out, stack = set(), [], [(r, "mat") for r in eg.roots]
     while stack:
         class_id, mode = stack.pop()
