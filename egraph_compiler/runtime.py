@@ -251,19 +251,13 @@ class Executable:
         """Output `i` is a whole buffer of ours seen through a permutation of its dims, with
         the strides eager gives it (eager's contiguous results stay contiguous: `.view` works)."""
         strides = self.graph.output_strides.get(i)
-        return strides is not None and value.stride() == strides and _permuted(value)
+        return strides is not None and value.stride() == strides and _whole_buffer(value)
 
 
-def _permuted(value: torch.Tensor) -> bool:
-    """A whole buffer seen through a permutation of its dims (no gaps, no repeats)."""
-    if value.storage_offset() != 0 or value.untyped_storage().nbytes() != value.numel() * value.element_size():
-        return False
-    expected = 1
-    for stride, size in sorted((st, n) for st, n in zip(value.stride(), value.shape) if n != 1):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
+def _whole_buffer(value: torch.Tensor) -> bool:
+    """The tensor covers its whole storage from its start (with strides of a dense permutation,
+    checked by the caller: no gaps, no repeats), not a part of a larger buffer."""
+    return value.storage_offset() == 0 and value.untyped_storage().nbytes() == value.numel() * value.element_size()
 
 
 @dataclass

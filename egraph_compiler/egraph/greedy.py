@@ -177,14 +177,18 @@ class KernelExtractor:
         positions, Graph.output_strides); elsewhere the runtime copies it, a read and a write."""
         contiguous = {r for i, r in enumerate(self.eg.roots) if i not in strided}
         roots = list(dict.fromkeys(self.eg.roots))
+        users: dict[str, int] = {}  # class -> how many outputs' terms need it
+        for r in roots:
+            for c in self.mat[r].needed:
+                users[c] = users.get(c, 0) + 1
         for _ in range(3):
             changed = False
             for r in roots:
-                others: dict[str, float] = {}
-                for o in roots:
-                    if o != r:
-                        others.update(self.mat[o].needed)
-                if r in others:
+                mine = self.mat[r].needed
+
+                def by_others(c: str) -> bool:
+                    return users.get(c, 0) - (c in mine) > 0
+                if by_others(r):
                     continue
 
                 def marginal(option: Option) -> float:
@@ -192,7 +196,7 @@ class KernelExtractor:
                     copy = (r in contiguous and ops.group_of(en.op) == "layout"
                             and not any(c in self.inline_of for c in en.children)
                             and moves_inner_dim(en.op, en.attrs, self.eg.shape[en.children[0]]))
-                    return sum(cost for c, cost in option.needed.items() if c not in others) + \
+                    return sum(cost for c, cost in option.needed.items() if not by_others(c)) + \
                         (2 * self.bytes(r) / self.profile.bandwidth if copy else 0.0)
                 best, best_cost = self.mat[r], marginal(self.mat[r])
                 for en in self.eg.classes[r]:
@@ -201,6 +205,10 @@ class KernelExtractor:
                     if option is not None and marginal(option) < best_cost - 1e-12:
                         best, best_cost = option, marginal(option)
                 if best is not self.mat[r]:
+                    for c in mine:
+                        users[c] -= 1
+                    for c in best.needed:
+                        users[c] = users.get(c, 0) + 1
                     self.mat[r], changed = best, True
             if not changed:
                 return
