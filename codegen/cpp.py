@@ -11,6 +11,8 @@ from egraph_compiler.errors import IndexOutOfRange
 from egraph_compiler.loopir import (ERROR_FLAG, STASH, Acc, Call, Const, Load, LoopKernel, contains, gathers,
                                     has_gather, transposed_reads, variables)
 
+from egraph_compiler.pieces import pieces
+
 from .cpp_across import TILE, column_reduction, columns, tiled
 from .walker import Target, float_literal, render_expr, render_index
 
@@ -178,6 +180,16 @@ POINTER_CTYPES = CTYPES | {"bool": "uint8_t"}
 
 
 def render_kernel(k: LoopKernel) -> str:
+    """One C++ function; a kernel over a concatenation runs one loop nest per operand's
+    part of its domain (`pieces`), each in its own scope."""
+    parts = pieces(k)
+    if len(parts) == 1:
+        return _render_loops(k)
+    bodies = [_render_loops(part).split("\n") for part in parts]
+    return "\n".join(bodies[0][:1] + [line for body in bodies for line in ["  {"] + body[1:-1] + ["  }"]] + ["}"])
+
+
+def _render_loops(k: LoopKernel) -> str:
     params = ", ".join(
         f"{'const ' if p.role == 'in' else ''}{POINTER_CTYPES[p.dtype]}* __restrict__ {p.name}" for p in k.params)
     if has_gather(k):

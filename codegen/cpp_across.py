@@ -4,7 +4,7 @@ the contiguous direction: a pointwise transpose in tiles, and a column reduction
 (a bias's gradient: the sum over a matrix's rows) as columns of accumulators."""
 from __future__ import annotations
 
-from egraph_compiler.loopir import Acc, LoopKernel, contains, has_gather, loads, stride
+from egraph_compiler.loopir import Acc, LoopKernel, contains, has_gather, loads, local_stride, stride
 
 TILE = 32  # a transposing kernel's square tile: its reads of each row's cache line all hit
 COLUMNS = 32  # a column reduction's block of accumulators (128 bytes of each row per pass)...
@@ -24,8 +24,8 @@ def column_reduction(k: LoopKernel, combiner) -> bool:
     if any(contains(red.body, acc) for red in k.reductions for acc in accs):
         return False  # one reads another's result: not one pass
     reads = [e for red in k.reductions for e in loads(red.body)]
-    across = any(stride(e.index, "o") == 1 and stride(e.index, "r") >= 16 for e in reads)
-    along = any(stride(e.index, "r") == 1 and stride(e.index, "o") >= 16 for e in reads)
+    across = any(local_stride(e.index, "o") == 1 and local_stride(e.index, "r") >= 16 for e in reads)
+    along = any(local_stride(e.index, "r") == 1 and local_stride(e.index, "o") >= 16 for e in reads)
     return across and not along
 
 

@@ -164,6 +164,14 @@ def stride(index: "Affine", var: str) -> int:
     return sum(c for term, c in index.terms if term[0] == "var" and term[1] == var)
 
 
+def local_stride(index: "Affine", var: str) -> int:
+    """As `stride`, counting a modulo of the variable too (`x % 64`: consecutive values lie side
+    by side within runs of 64, as a head's dims do in a [batch, heads, seq, dim] tensor read
+    with heads and dims merged)."""
+    return stride(index, var) + sum(c * stride(term[1], var) for term, c in index.terms
+                                    if term[0] == "mod" and len(term[1].terms) == 1)
+
+
 def variables(index: "Affine") -> set:
     """The loop variables an index uses (inside its divisions and modulos too)."""
     out = set()
@@ -189,7 +197,7 @@ def transposed_reads(k: "LoopKernel") -> bool:
     if k.reductions or not k.store_in_inner or any(not s[3] for s in k.extra_stores):
         return False
     values = [k.value] + [s[2] for s in k.extra_stores]
-    return any(stride(e.index, "o") == 1 and stride(e.index, "r") >= 16 for v in values for e in loads(v)
+    return any(local_stride(e.index, "o") == 1 and stride(e.index, "r") >= 16 for v in values for e in loads(v)
                if e.param != STASH)
 
 

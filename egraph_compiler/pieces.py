@@ -1,0 +1,139 @@
+"""A kernel over a concatenation, split at the operands' boundaries.
+
+Lowering computes `cat(a, b)` as `where(index < len(a), a[i mod len(a)], b[...])`
+(lower.py `concat`): every element evaluates both sides' index arithmetic, and a
+target that evaluates both sides (a vectorised select) reads every operand.  When the
+position is a loop variable, the loop can run in pieces instead, one per operand:
+in each piece the condition is decided, the `where` keeps one side, and the side's
+index, re-derived for the piece's narrower range, loses its modulo.  GPT-2's backward
+`cat(dq, dk, dv)` of attention's gradients ([512, 768]) took 0.55 ms on 2 cores, 0.15 now.
+The C++ target renders the pieces as one function (codegen/cpp.py); Triton keeps the `where`.
+
+`pieces(k)` returns kernels over disjoint parts of `k`'s domain that together compute
+what `k` does (or `[k]` when nothing splits).  The outer variable splits in any kernel
+(each outer index computes its own results); the row variable only in kernels without
+reductions (a reduction's pieces would each start a fresh sum).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from .loopir import Affine, Call, Const, Gather, Index, Load, LoopKernel, Reduction
+
+MAX_PIECES = 16  # a cat of many operands stays one loop rather than a long function
+
+
+def pieces(k: LoopKernel) -> list[LoopKernel]:
+    out: list[LoopKernel] = []
+
+    def split(kernel: LoopKernel) -> bool:
+        point = _split_point(kernel)
+        if point is None:
+            out.append(kernel)
+            return len(out) <= MAX_PIECES
+        var, at = point
+        n = kernel.outer if var == "o" else kernel.inner
+        return split(_restrict(kernel, var, 0, at)) and split(_restrict(kernel, var, at, n - at))
+
+    return out if split(k) and len(out) > 1 else [k]
+
+
+def _exprs(k: LoopKernel) -> list:
+    return [red.body for red in k.reductions] + [k.value] + [s[2] for s in k.extra_stores]
+
+
+def _split_point(k: LoopKernel):
+    """(var, p): a cat's condition `index < c` on a loop variable alone flips at p inside its range."""
+    for e in _exprs(k):
+        for index, c in _conditions(e):
+            if len(index.terms) != 1 or index.terms[0][0][0] != "var" or index.terms[0][1] <= 0:
+                continue
+            (_, var, _), a = index.terms[0]
+            if var not in ("o", "r") or (var == "r" and k.reductions):
+                continue  # a gather's row variable is set inside the body, not looped over
+            n = k.outer if var == "o" else k.inner
+            p = -(-(c - index.const) // a)  # the first value at which a*v + const >= c
+            if 0 < p < n:
+                return var, p
+    return None
+
+
+def _conditions(e):
+    if isinstance(e, Call):
+        if e.op == "lt" and isinstance(e.args[0], Index) and isinstance(e.args[1], Const):
+            yield e.args[0].index, int(e.args[1].value)
+        for a in e.args:
+            yield from _conditions(a)
+    elif isinstance(e, Gather):
+        yield from _conditions(e.value)
+        yield from _conditions(e.row)
+
+
+def _restrict(k: LoopKernel, var: str, lo: int, n: int) -> LoopKernel:
+    """`k` with `var` running over lo..lo+n-1 (as var + lo, var in 0..n-1), indices re-derived
+    for that range and cat conditions decided where the range settles them."""
+    types = {p.name: p.dtype for p in k.params}
+    ex = lambda e: _fold(_shift_expr(e, var, lo, n), types)
+    return replace(
+        k, outer=n if var == "o" else k.outer, inner=n if var == "r" else k.inner,
+        reductions=[Reduction(r.acc, r.combiner, ex(r.body), r.dtype) for r in k.reductions],
+        store_index=_shift(k.store_index, var, lo, n), value=ex(k.value),
+        extra_stores=[(p, _shift(i, var, lo, n), ex(v), inner) for p, i, v, inner in k.extra_stores])
+
+
+def _shift(index: Affine, var: str, lo: int, n: int) -> Affine:
+    out = Affine.of(index.const)
+    for term, coeff in index.terms:
+        if term[0] == "var":
+            part = Affine.var(var, n) + Affine.of(lo) if term[1] == var else Affine(((term, 1),))
+        else:
+            inner = _shift(term[1], var, lo, n)
+            part = inner.floordiv(term[2]) if term[0] == "div" else inner.mod(term[2])
+        out = out + part.scale(coeff)
+    return out
+
+
+def _shift_expr(e, var: str, lo: int, n: int):
+    if isinstance(e, Load):
+        return Load(e.param, _shift(e.index, var, lo, n))
+    if isinstance(e, Index):
+        return Index(_shift(e.index, var, lo, n))
+    if isinstance(e, Call):
+        return Call(e.op, tuple(_shift_expr(a, var, lo, n) for a in e.args), e.dtype)
+    if isinstance(e, Gather):
+        return Gather(_shift_expr(e.value, var, lo, n), e.var, _shift_expr(e.row, var, lo, n), e.rows)
+    return e
+
+
+def _bounds(index: Affine) -> tuple[int, int]:
+    """The least and the greatest value an index takes over its variables' ranges."""
+    low = high = index.const
+    for term, c in index.terms:
+        top = term[2] - 1 if term[0] in ("var", "mod") else -(-term[1].upper() // term[2]) - 1
+        low, high = (low, high + c * top) if c > 0 else (low + c * top, high)
+    return low, high
+
+
+def _fold(e, types: dict[str, str]):
+    """`where(index < c, a, b)` as `a` or `b` where the index's range decides it (cast to the
+    cat's dtype where the side's differs: torch.cat promotes)."""
+    if isinstance(e, Call):
+        args = tuple(_fold(a, types) for a in e.args)
+        if e.op == "where" and isinstance(args[0], Call) and args[0].op == "lt" and \
+                isinstance(args[0].args[0], Index) and isinstance(args[0].args[1], Const):
+            low, high = _bounds(args[0].args[0].index)
+            side = args[1] if high < args[0].args[1].value else args[2] if low >= args[0].args[1].value else None
+            if side is not None:
+                return side if _dtype(side, types) in (_dtype(e, types), "weak") else Call("cast", (side,), e.dtype)
+        return Call(e.op, args, e.dtype)
+    if isinstance(e, Gather):
+        return Gather(_fold(e.value, types), e.var, _fold(e.row, types), e.rows)
+    return e
+
+
+def _dtype(e, types: dict[str, str]) -> str:
+    if isinstance(e, Load):
+        return types.get(e.param, "float32")
+    if isinstance(e, Call):
+        return e.dtype if e.dtype not in ("", "weak") else "float32"
+    return "weak" if isinstance(e, Const) else "int64" if isinstance(e, Index) else "float32"
