@@ -27,6 +27,7 @@ from egraph_compiler.cache import cache_dir
 from egraph_compiler.errors import EgraphCompilerError
 from egraph_compiler.loopir import (ERROR_FLAG, STASH, Acc, Affine, Load, LoopKernel, contains, has_gather,
                                     substitute, variables)
+from egraph_compiler.pieces import pieces
 
 from . import triton_split
 from .triton_launch import checked as _checked, direct as _direct, has_option as _has_option
@@ -129,12 +130,22 @@ class _Kernel:
         if self.split > 1:  # a column reduction over many rows: partial sums, then their sum (triton_split.py)
             self.xblock, self.rblock = triton_split.SPLIT_TILE
             self.looped, self.warps = True, 4
+        # a kernel over a cat: one body per operand's part of the domain (pieces.py), chosen by the
+        # grid's third axis, each reading its operand alone (the `where` form loads every operand)
+        parts = pieces(k) if self.split <= 1 else [k]
+        shapes = [_Kernel(p) for p in parts] if len(parts) > 1 else []
+        if any(s.split > 1 or s.pointwise != self.pointwise or s.looped != self.looped for s in shapes):
+            parts = [k]
+        self.pieces = parts
 
     def stores(self):
         k = self.k
         return [(k.store_param, k.store_index, k.value, k.store_in_inner)] + list(k.extra_stores)
 
     def grid(self) -> tuple:
+        if len(self.pieces) > 1:
+            return (max(-(-p.outer // self.xblock) for p in self.pieces),
+                    max(-(-p.inner // self.rblock) for p in self.pieces) if self.pointwise else 1, len(self.pieces))
         outer = -(-self.k.outer // self.xblock)
         return (outer, -(-self.k.inner // self.rblock)) if self.pointwise else (outer,)
 
@@ -159,13 +170,19 @@ class _Kernel:
         params = ", ".join([p.name for p in k.params] + ([ERROR_FLAG] if has_gather(k) else []))
         if self.split > 1:
             return triton_split.render(self, params, self._outer_stores())
-        lines = ["@triton.jit", f"def {k.name}({params}, XBLOCK: tl.constexpr, RBLOCK: tl.constexpr):",
-                 "    o = tl.program_id(0) * XBLOCK + tl.arange(0, XBLOCK)[:, None]",
-                 f"    omask = o < {k.outer}"]
+        lines = ["@triton.jit", f"def {k.name}({params}, XBLOCK: tl.constexpr, RBLOCK: tl.constexpr):"]
+        if len(self.pieces) == 1:
+            return "\n".join(lines + self._body())
+        for i, part in enumerate(self.pieces):  # (blocks past a piece's extent are masked off whole)
+            lines += [f"    if tl.program_id(2) == {i}:"] + ["    " + line for line in _Kernel(part)._body()]
+        return "\n".join(lines)
+
+    def _body(self) -> list[str]:
+        k = self.k
+        lines = ["    o = tl.program_id(0) * XBLOCK + tl.arange(0, XBLOCK)[:, None]", f"    omask = o < {k.outer}"]
         if self.pointwise:
             lines += self._columns("tl.program_id(1) * RBLOCK", "    ")
-            lines += self._inner_stores("    ")
-            return "\n".join(lines)
+            return lines + self._inner_stores("    ")
         if not self.looped:
             lines += self._columns("0", "    ")
         for group in self._passes():
@@ -178,7 +195,7 @@ class _Kernel:
                 lines += self._inner_stores("        ")
             else:
                 lines += self._inner_stores("    ")
-        return "\n".join(lines + self._outer_stores())
+        return lines + self._outer_stores()
 
     def _outer_stores(self) -> list[str]:
         """The stores made once per outer index (a reduction's result)."""

@@ -1,6 +1,6 @@
-"""Kernels over a concatenation run one loop nest per operand on the C++ target
-(egraph_compiler/pieces.py): each against eager, and the split ones with no `where`
-left to choose an operand."""
+"""Kernels over a concatenation run one loop nest per operand (egraph_compiler/pieces.py): on
+the C++ target one function of loop nests, on Triton one body per operand chosen by the grid's
+third axis.  Each against eager, and the split ones with no `where` left to choose an operand."""
 import pytest
 import torch
 
@@ -43,12 +43,13 @@ CATS = {  # name: (fn, input makers, pieces of the split kernel or 0 for a kerne
 }
 
 
+@pytest.mark.parametrize("target", ["cpu", "triton"])
 @pytest.mark.parametrize("name", sorted(CATS))
-def test_kernels_over_a_cat(name):
+def test_kernels_over_a_cat(name, target):
     fn, makers, expected = CATS[name]
     torch.manual_seed(0)
     xs = [m() for m in makers]
-    compiled = egraph_compiler.compile(fn, xs)
+    compiled = egraph_compiler.compile(fn, xs, target=target)
     assert not compiled.plan.fallbacks, str(compiled.plan)
     got, want = compiled(*xs), fn(*xs)
     torch.testing.assert_close(got, want, rtol=1e-2 if want.dtype == torch.bfloat16 else 1e-5, atol=1e-4)
@@ -57,6 +58,8 @@ def test_kernels_over_a_cat(name):
     assert len(split) == max(expected, 1), [str(p) for p in split]
     if expected:  # every piece reads one operand: no position test left
         assert all("where" not in str(p) for p in split), [str(p) for p in split]
+        if target == "triton":
+            assert f"tl.program_id(2) == {expected - 1}" in compiled.source, compiled.source
 
 
 def test_pieces_cover_the_domain_once():
@@ -99,3 +102,17 @@ def test_a_piece_keeps_the_cats_dtype():
     assert first.value == Call("cast", (Load("a", Affine.var("r", 2) + o.scale(2)),), "float32")
     assert second.value == Load("b", Affine.var("r", 3) + o.scale(3))
     assert (first.inner, second.inner, second.store_index.const) == (2, 3, 2)
+
+
+def test_triton_pieces_compile_for_an_h200_without_a_gpu():
+    """Each kind of piece (pointwise over columns, rows; a row sum over a cat along rows) through
+    Triton's GPU compiler (sm_90), bf16 included."""
+    pytest.importorskip("triton")
+    from egraph_compiler.codegen.triton_build import compile_for_gpu
+    modules = []
+    for name in ("attention_grads", "along_dim0", "row_sums_of_dim0_cat", "bf16"):
+        fn, makers, _ = CATS[name]
+        compiled = egraph_compiler.compile(fn, [m() for m in makers], target="triton")
+        assert "tl.program_id(2) == 1" in compiled.source, compiled.source
+        modules.append((compiled.source, compiled.loop_kernels))
+    compile_for_gpu(modules)
