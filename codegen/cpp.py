@@ -11,7 +11,7 @@ from egraph_compiler.errors import IndexOutOfRange
 from egraph_compiler.loopir import (ERROR_FLAG, STASH, Acc, Call, Const, Load, LoopKernel, contains, gathers,
                                     has_gather, transposed_reads, variables)
 
-from egraph_compiler.pieces import pieces
+from egraph_compiler.pieces import pieces, strips
 
 from .cpp_across import TILE, column_reduction, columns, tiled
 from .walker import Target, float_literal, render_expr, render_index
@@ -218,7 +218,14 @@ def _render_loops(k: LoopKernel) -> str:
             split = len(lines)
     stores = [(k.store_param, k.store_index, k.value, k.store_in_inner)] + list(k.extra_stores)
     inner = " ".join(_store(p, i, v, types) for p, i, v, in_inner in stores if in_inner)
-    if inner:
+    strip = strips(k) if not has_gather(k) else None
+    if strip:  # the row in runs of m, each read along without a division (pieces.strips)
+        m, runs = strip
+        text = " ".join(_store(p, i, v, types) for p, i, v, _ in
+                        [(runs.store_param, runs.store_index, runs.value, True)] + list(runs.extra_stores))
+        lines += [f"    for (int64_t rh = 0; rh < {k.inner // m}; ++rh) {{", "      #pragma omp simd",
+                  f"      for (int64_t rl = 0; rl < {m}; ++rl) {{ {text} }}", "    }"]
+    elif inner:
         lines.append("    #pragma omp simd")
         lines.append(f"    for (int64_t r = 0; r < {k.inner}; ++r) {{ {inner} }}")
     lines += [f"    {_store(p, i, v, types)}" for p, i, v, in_inner in stores if not in_inner]

@@ -5,6 +5,7 @@ the contiguous direction: a pointwise transpose in tiles, and a column reduction
 from __future__ import annotations
 
 from egraph_compiler.loopir import Acc, LoopKernel, contains, has_gather, loads, local_stride, stride
+from egraph_compiler.pieces import tile_vars
 
 TILE = 32  # a transposing kernel's square tile: its reads of each row's cache line all hit
 COLUMNS = 32  # a column reduction's block of accumulators (128 bytes of each row per pass)...
@@ -65,23 +66,27 @@ def tiled(k: LoopKernel, types, parallel: bool, expr, ctypes, index) -> list[str
     stack, then stored in a vector loop along the stores.  Along the stores alone, every
     read is a gather, which g++ does not vectorise around a vector-math call (gelu_tanh
     then ran scalar tanhf: 4.5 ms against 0.26 untransposed, for 512k elements); along the
-    reads alone, every store a scatter (a plain transpose 12x slower)."""
-    stores = [(k.store_param, k.store_index, k.value)] + [(p, i, v) for p, i, v, _ in k.extra_stores]
-    at = f"[(r - rt) * {TILE} + (o - ot)]"
+    reads alone, every store a scatter (a plain transpose 12x slower).  Inside a tile the
+    variables are `ol + TILE*ob` and `rl + TILE*rb` (pieces.tile_vars): a divided index such
+    as a head's `o % 128` becomes the tile's constant part plus ol, read in order."""
+    stores = [(p, i, v) for p, i, v, _ in tile_vars(k, TILE)]
+    at = "[rl * TILE + ol]".replace("TILE", str(TILE))
     compute = " ".join(f"tile{n}{at} = static_cast<{ctypes[types[p]]}>({expr(v)});"
                        for n, (p, _, v) in enumerate(stores))
     write = " ".join(f"{p}[{index(i)}] = tile{n}{at};" for n, (p, i, _) in enumerate(stores))
     def loops(o_end: str, r_end: str) -> list[str]:
-        return [f"        for (int64_t r = rt; r < {r_end}; ++r) {{", "          #pragma omp simd",
-                f"          for (int64_t o = ot; o < {o_end}; ++o) {{ {compute} }}", "        }",
-                f"        for (int64_t o = ot; o < {o_end}; ++o) {{", "          #pragma omp simd",
-                f"          for (int64_t r = rt; r < {r_end}; ++r) {{ {write} }}", "        }"]
+        return [f"        for (int64_t rl = 0; rl < {r_end}; ++rl) {{", "          #pragma omp simd",
+                f"          for (int64_t ol = 0; ol < {o_end}; ++ol) {{ {compute} }}", "        }",
+                f"        for (int64_t ol = 0; ol < {o_end}; ++ol) {{", "          #pragma omp simd",
+                f"          for (int64_t rl = 0; rl < {r_end}; ++rl) {{ {write} }}", "        }"]
     # a whole tile's loops have a constant trip count, which g++ vectorises without a remainder
     # (a gelu_tanh of a [512, 1024] transpose: 1.5 ms with std::min bounds on every tile, 0.55 ms)
     return (["  #pragma omp parallel for collapse(2) schedule(static)"] if parallel else []) + [
-        f"  for (int64_t ot = 0; ot < {k.outer}; ot += {TILE}) {{",
-        f"    for (int64_t rt = 0; rt < {k.inner}; rt += {TILE}) {{"] + [
+        f"  for (int64_t ob = 0; ob < {-(-k.outer // TILE)}; ++ob) {{",
+        f"    for (int64_t rb = 0; rb < {-(-k.inner // TILE)}; ++rb) {{"] + [
         f"      alignas(64) {ctypes[types[p]]} tile{n}[{TILE * TILE}];" for n, (p, _, _) in enumerate(stores)] + [
-        f"      if (ot + {TILE} <= {k.outer} && rt + {TILE} <= {k.inner}) {{"] + loops(f"ot + {TILE}", f"rt + {TILE}") + [
-        "      } else {"] + loops(f"std::min<int64_t>(ot + {TILE}, {k.outer})", f"std::min<int64_t>(rt + {TILE}, {k.inner})") + [
+        f"      if ((ob + 1) * {TILE} <= {k.outer} && (rb + 1) * {TILE} <= {k.inner}) {{"] + loops(
+        str(TILE), str(TILE)) + [
+        "      } else {"] + loops(f"std::min<int64_t>({TILE}, {k.outer} - ob * {TILE})",
+                                  f"std::min<int64_t>({TILE}, {k.inner} - rb * {TILE})") + [
         "      }", "    }", "  }", "}"]

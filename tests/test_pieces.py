@@ -116,3 +116,39 @@ def test_triton_pieces_compile_for_an_h200_without_a_gpu():
         assert "tl.program_id(2) == 1" in compiled.source, compiled.source
         modules.append((compiled.source, compiled.loop_kernels))
     compile_for_gpu(modules)
+
+
+STRIPS = {  # name: (fn, input shape, the run length the row loop takes or 0)
+    "heads_merged": (lambda x: x.permute(0, 2, 1, 3).reshape(x.shape[0] * x.shape[2], -1) * 2.0, (2, 4, 8, 16), 16),
+    "heads_merged_bf16": (lambda x: x.permute(0, 2, 1, 3).reshape(x.shape[0] * x.shape[2], -1).sigmoid(),
+                          (2, 3, 8, 32), 32),
+    "short_runs": (lambda x: x.permute(0, 2, 1, 3).reshape(x.shape[0] * x.shape[2], -1) + 1.0, (2, 4, 8, 4), 0),
+    "rows_in_order": (lambda x: x * 3.0, (6, 40), 0),
+}
+
+
+@pytest.mark.parametrize("name", sorted(STRIPS))
+def test_rows_read_in_runs(name):
+    """A row read in runs of m (a head's dims) loops over the runs, each read in order with no
+    division (pieces.strips); the others as before.  Each against eager."""
+    from egraph_compiler.pieces import strips
+    fn, shape, m = STRIPS[name]
+    x = torch.randn(shape, dtype=torch.bfloat16 if "bf16" in name else torch.float32)
+    compiled = egraph_compiler.compile(fn, [x])
+    (kernel,) = compiled.loop_kernels
+    found = strips(kernel)
+    assert (found[0] if found else 0) == m, str(kernel)
+    if m:
+        assert f"rl < {m}" in compiled.source and "%" not in str(found[1].value), compiled.source
+    torch.testing.assert_close(compiled(x), fn(x))
+
+
+def test_tiles_read_a_divided_index_in_order():
+    """A transposing kernel whose reads divide the outer index (`o % 128`: heads) reads each tile's
+    row in order: the division is the tile's, not the element's."""
+    b = torch.randn(2, 4, 16, 128)
+    fn = lambda b: b.permute(0, 3, 1, 2).reshape(256, 64) * 0.5  # noqa: E731
+    compiled = egraph_compiler.compile(fn, [b])
+    body = compiled.source[compiled.source.index("tile0[rl * 32 + ol] = "):].split("\n")[0]
+    assert "ol)" not in body and "% " in body, body  # ((ob) % 4): per tile
+    torch.testing.assert_close(compiled(b), fn(b))
