@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .loopir import Affine, Call, Const, Gather, Index, Load, LoopKernel, Reduction
+from .loopir import Affine, Call, Const, Gather, Index, Load, LoopKernel, Reduction, loads
 
 MAX_PIECES = 16  # a cat of many operands stays one loop rather than a long function
 
@@ -126,14 +126,14 @@ def strips(k: LoopKernel):
     if k.reductions or k.stash_last or not k.store_in_inner or any(not s[3] for s in k.extra_stores):
         return None
     row = Affine.var("r", k.inner)
-    moduli = sorted({t[2] for e in _exprs(k) for load in _loads(e) for t, _ in load.index.terms
+    moduli = sorted({t[2] for e in _exprs(k) for load in loads(e) for t, _ in load.index.terms
                      if t[0] in ("mod", "div") and t[1] == row})
     for m in (m for m in moduli if 8 <= m < k.inner and k.inner % m == 0):
         value = Affine.var("rl", m) + Affine.var("rh", k.inner // m).scale(m)
         ex = lambda e: _put_expr(e, "r", value)
         split = replace(k, reductions=[], store_index=_put(k.store_index, "r", value), value=ex(k.value),
                         extra_stores=[(p, _put(i, "r", value), ex(v), inner) for p, i, v, inner in k.extra_stores])
-        if not any(t[0] != "var" and "rl" in _names(t[1]) for e in _exprs(split) for load in _loads(e)
+        if not any(t[0] != "var" and "rl" in _names(t[1]) for e in _exprs(split) for load in loads(e)
                    for t, _ in load.index.terms):
             return m, split
     return None
@@ -148,17 +148,6 @@ def tile_vars(k: LoopKernel, tile: int) -> list:
     ex = lambda e: _put_expr(_put_expr(e, "o", o), "r", r)
     return [(p, put(i), ex(v), inner) for p, i, v, inner in
             [(k.store_param, k.store_index, k.value, k.store_in_inner)] + list(k.extra_stores)]
-
-
-def _loads(e):
-    if isinstance(e, (Load, Index)):
-        yield e
-    elif isinstance(e, Call):
-        for a in e.args:
-            yield from _loads(a)
-    elif isinstance(e, Gather):
-        yield from _loads(e.value)
-        yield from _loads(e.row)
 
 
 def _names(index: Affine) -> set:
