@@ -26,7 +26,7 @@ from egraph_compiler import remote
 from egraph_compiler.cache import cache_dir
 from egraph_compiler.errors import EgraphCompilerError
 from egraph_compiler.loopir import (ERROR_FLAG, STASH, Acc, Affine, Load, LoopKernel, contains, has_gather,
-                                    substitute, variables)
+                                    substitute, transposed_reads, variables)
 from egraph_compiler.pieces import pieces
 
 from . import triton_split
@@ -36,6 +36,7 @@ from .walker import Target, render_expr, render_index
 PERSISTENT_MAX = 32768  # longest row kept in registers (87-91% of copy bandwidth at 16k on an H200)
 LOOP_BLOCK = 2048
 POINTWISE_BLOCK = 1024  # elements per program of a pointwise kernel
+TILE = 32  # a transposing pointwise kernel's block: 2*TILE rows (o) by TILE columns (r)
 TL = {"float32": "tl.float32", "float16": "tl.float16", "bfloat16": "tl.bfloat16", "bool": "tl.int1",
       "int64": "tl.int64", "int32": "tl.int32"}
 
@@ -137,6 +138,12 @@ class _Kernel:
         if any(s.split > 1 or s.pointwise != self.pointwise or s.looped != self.looped for s in shapes):
             parts = [k]
         self.pieces = parts
+        if self.pointwise:  # blocks sized to the pieces (a block as wide as the whole cat left half idle)
+            outer, inner = max(p.outer for p in parts), max(p.inner for p in parts)
+            self.rblock = min(_pow2(inner), POINTWISE_BLOCK)
+            self.xblock = max(1, min(POINTWISE_BLOCK // self.rblock, _pow2(outer)))
+            if any(transposed_reads(p) for p in parts) and outer >= TILE and inner >= TILE:
+                self.xblock, self.rblock = 2 * TILE, TILE  # reads along o, writes along r: both in runs
 
     def stores(self):
         k = self.k
