@@ -131,19 +131,17 @@ class _Kernel:
         if self.split > 1:  # a column reduction over many rows: partial sums, then their sum (triton_split.py)
             self.xblock, self.rblock = triton_split.SPLIT_TILE
             self.looped, self.warps = True, 4
-        # a kernel over a cat: one body per operand's part of the domain (pieces.py), chosen by the
-        # grid's third axis, each reading its operand alone (the `where` form loads every operand)
-        parts = pieces(k) if self.split <= 1 else [k]
+        # a reduction over a cat: one body per operand's part of the domain (pieces.py), chosen by the
+        # grid's third axis, each reading its operand alone (the `where` form loads every operand: a
+        # qkv bias's gradient 79 -> 32 us on the H200).  A pointwise cat keeps the `where`: in pieces
+        # the H200 took 27-28 us for a qkv cat that the `where` form does in 20 (BENCHMARKS.md)
+        parts = pieces(k) if self.split <= 1 and not self.pointwise else [k]
         shapes = [_Kernel(p) for p in parts] if len(parts) > 1 else []
         if any(s.split > 1 or s.pointwise != self.pointwise or s.looped != self.looped for s in shapes):
             parts = [k]
         self.pieces = parts
-        if self.pointwise:  # blocks sized to the pieces (a block as wide as the whole cat left half idle)
-            outer, inner = max(p.outer for p in parts), max(p.inner for p in parts)
-            self.rblock = min(_pow2(inner), POINTWISE_BLOCK)
-            self.xblock = max(1, min(POINTWISE_BLOCK // self.rblock, _pow2(outer)))
-            if any(transposed_reads(p) for p in parts) and outer >= TILE and inner >= TILE:
-                self.xblock, self.rblock = 2 * TILE, TILE  # reads along o, writes along r: both in runs
+        if self.pointwise and transposed_reads(k) and k.outer >= TILE and k.inner >= TILE:
+            self.xblock, self.rblock = 2 * TILE, TILE  # reads along o, writes along r: both in runs
 
     def stores(self):
         k = self.k

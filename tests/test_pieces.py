@@ -58,7 +58,7 @@ def test_kernels_over_a_cat(name, target):
     assert len(split) == max(expected, 1), [str(p) for p in split]
     if expected:  # every piece reads one operand: no position test left
         assert all("where" not in str(p) for p in split), [str(p) for p in split]
-        if target == "triton":
+        if target == "triton" and kernel.reductions:  # (a pointwise cat keeps its `where` there)
             assert f"tl.program_id(2) == {expected - 1}" in compiled.source, compiled.source
 
 
@@ -105,15 +105,15 @@ def test_a_piece_keeps_the_cats_dtype():
 
 
 def test_triton_pieces_compile_for_an_h200_without_a_gpu():
-    """Each kind of piece (pointwise over columns, rows; a row sum over a cat along rows) through
-    Triton's GPU compiler (sm_90), bf16 included."""
+    """Reductions over a cat in pieces (a column sum, row sums, a bias's gradient) through Triton's
+    GPU compiler (sm_90), and a transposing pointwise kernel in tiles."""
     pytest.importorskip("triton")
     from egraph_compiler.codegen.triton_build import compile_for_gpu
     modules = []
-    for name in ("attention_grads", "along_dim0", "row_sums_of_dim0_cat", "bf16"):
+    for name in ("column_sums", "row_sums_of_dim0_cat", "attention_grads_bias_sum", "attention_grads"):
         fn, makers, _ = CATS[name]
         compiled = egraph_compiler.compile(fn, [m() for m in makers], target="triton")
-        assert "tl.program_id(2) == 1" in compiled.source, compiled.source
+        assert ("tl.program_id(2) == 1" in compiled.source) == ("sum" in name), compiled.source
         modules.append((compiled.source, compiled.loop_kernels))
     compile_for_gpu(modules)
 
@@ -152,3 +152,16 @@ def test_tiles_read_a_divided_index_in_order():
     body = compiled.source[compiled.source.index("tile0[rl * 32 + ol] = "):].split("\n")[0]
     assert "ol)" not in body and "% " in body, body  # ((ob) % 4): per tile
     torch.testing.assert_close(compiled(b), fn(b))
+
+
+@pytest.mark.parametrize("shape", [(64, 32), (70, 45), (33, 200)])
+def test_triton_transposes_in_tiles(shape):
+    """Triton runs a transposing pointwise kernel in 64x32 blocks (ragged edges masked)."""
+    from egraph_compiler.codegen.triton import _Kernel
+    x = torch.randn(shape)
+    fn = lambda x: torch.nn.functional.gelu(x).t().contiguous() + 1.0  # noqa: E731
+    compiled = egraph_compiler.compile(fn, [x], target="triton")
+    from egraph_compiler.loopir import transposed_reads
+    (kernel,) = [k for k in compiled.loop_kernels if transposed_reads(k)]
+    assert (_Kernel(kernel).xblock, _Kernel(kernel).rblock) == (64, 32), str(kernel)
+    torch.testing.assert_close(compiled(x), fn(x))
