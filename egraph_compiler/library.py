@@ -95,8 +95,12 @@ def on_cpu(call, q, k, v, mask=None, causal=False, scale=None, grouped=False):
     q's dtype), it is called directly for its logsumexp
     too: a row it treats as masked, the only kind that can hide a NaN, has a logsumexp of
     exactly 0, so q is read for the check only when some row's is (on 16 cores the check's
-    two sums took 40 us of a 200 us call; 2-3% of a BERT layer's on 2 cores)."""
+    two sums took 40 us of a 200 us call; 2-3% of a BERT layer's on 2 cores).  The flash kernel
+    reads each row as if its last dim were contiguous: a transposed q, k or v (last stride not 1)
+    gave every output wrong (soak, seed 12001), so those go through torch's sdpa, which picks the
+    math kernel for them as eager does."""
     if (not grouped and q.dim() == k.dim() == v.dim() == 4 and q.numel() and k.numel() and v.numel() and q.shape[-1] == k.shape[-1] == v.shape[-1]
+            and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and (mask is None or mask.stride(-1) == 1)
             and q.shape[:2] == k.shape[:2] == v.shape[:2] and k.shape[2] == v.shape[2]
             and q.dtype == k.dtype == v.dtype and (mask is None or (mask.dtype == q.dtype and mask.dim() == 4))):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal,

@@ -750,6 +750,22 @@ def test_gather_along_a_concatenated_dim(target):
     torch.testing.assert_close(compiled(a, b, i), fn(a, b, i))
 
 
+@pytest.mark.parametrize("layout", ["transposed_qkv", "transposed_k", "contiguous_of_a_transpose"])
+def test_sdpa_on_transposed_operands(layout):
+    """torch's CPU flash kernel, which the library called directly, reads a row as if its last dim
+    were contiguous: sdpa of a transposed q = k = v gave every element wrong (soak, seed 12001, and
+    at the session's start: `.contiguous()` is a layout the e-graph drops, so it reached the kernel
+    transposed too).  Such operands now go through torch's sdpa, as eager's."""
+    x, y = torch.rand(3, 2, 8, 16) * 4 - 2, torch.randn(3, 2, 16, 8)
+    fns = {"transposed_qkv": lambda x, y: F.scaled_dot_product_attention(x.transpose(-1, 2), x.transpose(-1, 2),
+                                                                         x.transpose(-1, 2), scale=0.5),
+           "transposed_k": lambda x, y: F.scaled_dot_product_attention(y, x.transpose(-1, -2), y),
+           "contiguous_of_a_transpose": lambda x, y: F.scaled_dot_product_attention(
+               *[x.transpose(-1, 2).contiguous()] * 3).transpose(0, 1) + 1.0}
+    fn = fns[layout]
+    torch.testing.assert_close(egc.compile(fn, [x, y])(x, y), fn(x, y))
+
+
 def test_sdpa_keeps_nan_rows_on_cpu():
     """A query row that meets only NaN scores (a NaN in the row, or in every key) gives NaN, as the
     arithmetic and torch's math kernel do; torch's CPU flash kernel, which it picks for contiguous
