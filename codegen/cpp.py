@@ -181,22 +181,28 @@ POINTER_CTYPES = CTYPES | {"bool": "uint8_t"}
 
 def render_kernel(k: LoopKernel) -> str:
     """One C++ function; a kernel over a concatenation runs one loop nest per operand's
-    part of its domain (`pieces`), each in its own scope."""
+    part of its domain (`pieces`), each in its own scope, under the whole kernel's signature
+    (a piece may have lost the kernel's gather, and with it the error flag's parameter: soak,
+    seed 12002)."""
     parts = pieces(k)
     if len(parts) == 1:
         return _render_loops(k)
-    bodies = [_render_loops(part).split("\n") for part in parts]
-    return "\n".join(bodies[0][:1] + [line for body in bodies for line in ["  {"] + body[1:-1] + ["  }"]] + ["}"])
+    bodies = [_render_loops(part).split("\n")[1:-1] for part in parts]
+    return "\n".join([_signature(k)] + [line for body in bodies for line in ["  {"] + body + ["  }"]] + ["}"])
 
 
-def _render_loops(k: LoopKernel) -> str:
+def _signature(k: LoopKernel) -> str:
     params = ", ".join(
         f"{'const ' if p.role == 'in' else ''}{POINTER_CTYPES[p.dtype]}* __restrict__ {p.name}" for p in k.params)
     if has_gather(k):
         params += f", int32_t* {ERROR_FLAG}"
+    return f'extern "C" void {k.name}({params}) {{'
+
+
+def _render_loops(k: LoopKernel) -> str:
     parallel = k.outer > 1 and k.outer * k.inner >= PARALLEL_MIN
     types = {p.name: p.dtype for p in k.params}
-    lines = [f'extern "C" void {k.name}({params}) {{']
+    lines = [_signature(k)]
     if transposed_reads(k) and k.outer >= TILE and k.inner >= TILE:
         return "\n".join(lines + tiled(k, types, parallel, lambda e: _expr(e, types), CTYPES,
                                         lambda i: render_index(i, TARGET)))

@@ -1,8 +1,9 @@
 """Kernels over a concatenation run one loop nest per operand (egraph_compiler/pieces.py): on
-the C++ target one function of loop nests, on Triton one body per operand chosen by the grid's
+the C++ target one function of loop nests, on Triton a reduction's bodies chosen by the grid's
 third axis.  Each against eager, and the split ones with no `where` left to choose an operand."""
 import pytest
 import torch
+import torch.nn.functional as F
 
 import egraph_compiler
 from egraph_compiler.loopir import Affine, Call, Const, Index, Load, LoopKernel, Param
@@ -165,3 +166,16 @@ def test_triton_transposes_in_tiles(shape):
     (kernel,) = [k for k in compiled.loop_kernels if transposed_reads(k)]
     assert (_Kernel(kernel).xblock, _Kernel(kernel).rblock) == (64, 32), str(kernel)
     torch.testing.assert_close(compiled(x), fn(x))
+
+
+@pytest.mark.parametrize("target", ["cpu", "triton"])
+def test_a_piece_without_the_kernels_gather(target):
+    """A cat of a plain operand and an embedding's rows: the first piece reads no gathered row, yet
+    the function keeps the error flag's parameter the second piece needs (C++ named an undeclared
+    flag: soak, seed 12002); an index out of range still raises."""
+    table, ids, x = torch.randn(10, 8), torch.tensor([[1, 9, 0], [4, 4, 2]]), torch.randn(2, 3, 5)
+    fn = lambda table, ids, x: torch.cat([x, F.embedding(ids, table)], -1) * 2.0  # noqa: E731
+    compiled = egraph_compiler.compile(fn, [table, ids, x], target=target)
+    torch.testing.assert_close(compiled(table, ids, x), fn(table, ids, x))
+    with pytest.raises(IndexError):
+        compiled(table, torch.tensor([[1, 10, 0], [4, 4, 2]]), x)
