@@ -10,7 +10,6 @@ from egraph_compiler.cache import build_shared_object
 from egraph_compiler.errors import IndexOutOfRange
 from egraph_compiler.loopir import (ERROR_FLAG, STASH, Acc, Call, Const, Load, LoopKernel, contains, gathers,
                                     has_gather, transposed_reads, variables)
-
 from egraph_compiler.pieces import pieces, strips
 
 from .cpp_across import TILE, column_reduction, columns, tiled

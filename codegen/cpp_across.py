@@ -70,7 +70,7 @@ def tiled(k: LoopKernel, types, parallel: bool, expr, ctypes, index) -> list[str
     variables are `ol + TILE*ob` and `rl + TILE*rb` (pieces.tile_vars): a divided index such
     as a head's `o % 128` becomes the tile's constant part plus ol, read in order."""
     stores = [(p, i, v) for p, i, v, _ in tile_vars(k, TILE)]
-    at = "[rl * TILE + ol]".replace("TILE", str(TILE))
+    at = f"[rl * {TILE} + ol]"
     compute = " ".join(f"tile{n}{at} = static_cast<{ctypes[types[p]]}>({expr(v)});"
                        for n, (p, _, v) in enumerate(stores))
     write = " ".join(f"{p}[{index(i)}] = tile{n}{at};" for n, (p, i, _) in enumerate(stores))

@@ -138,8 +138,8 @@ class _Kernel:
         parts = pieces(k) if self.split <= 1 and not self.pointwise else [k]
         shapes = [_Kernel(p) for p in parts] if len(parts) > 1 else []
         if any(s.split > 1 or s.pointwise != self.pointwise or s.looped != self.looped for s in shapes):
-            parts = [k]
-        self.pieces = parts
+            parts, shapes = [k], []
+        self.pieces, self._piece_shapes = parts, shapes
         if self.pointwise and transposed_reads(k) and k.outer >= TILE and k.inner >= TILE:
             self.xblock, self.rblock = 2 * TILE, TILE  # reads along o, writes along r: both in runs
 
@@ -178,8 +178,8 @@ class _Kernel:
         lines = ["@triton.jit", f"def {k.name}({params}, XBLOCK: tl.constexpr, RBLOCK: tl.constexpr):"]
         if len(self.pieces) == 1:
             return "\n".join(lines + self._body())
-        for i, part in enumerate(self.pieces):  # (blocks past a piece's extent are masked off whole)
-            lines += [f"    if tl.program_id(2) == {i}:"] + ["    " + line for line in _Kernel(part)._body()]
+        for i, shape in enumerate(self._piece_shapes):  # (blocks past a piece's extent are masked off whole)
+            lines += [f"    if tl.program_id(2) == {i}:"] + ["    " + line for line in shape._body()]
         return "\n".join(lines)
 
     def _body(self) -> list[str]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from .codegen.walker import expr_dtype
 from .loopir import Affine, Call, Const, Gather, Index, Load, LoopKernel, Reduction, loads
 
 MAX_PIECES = 16  # a cat of many operands stays one loop rather than a long function
@@ -174,16 +175,9 @@ def _fold(e, types: dict[str, str]):
             low, high = _bounds(args[0].args[0].index)
             side = args[1] if high < args[0].args[1].value else args[2] if low >= args[0].args[1].value else None
             if side is not None:
-                return side if _dtype(side, types) in (_dtype(e, types), "weak") else Call("cast", (side,), e.dtype)
+                return side if expr_dtype(side, types) in (expr_dtype(e, types), "weak") else Call("cast", (side,), e.dtype)
         return Call(e.op, args, e.dtype)
     if isinstance(e, Gather):
         return Gather(_fold(e.value, types), e.var, _fold(e.row, types), e.rows)
     return e
 
-
-def _dtype(e, types: dict[str, str]) -> str:
-    if isinstance(e, Load):
-        return types.get(e.param, "float32")
-    if isinstance(e, Call):
-        return e.dtype if e.dtype not in ("", "weak") else "float32"
-    return "weak" if isinstance(e, Const) else "int64" if isinstance(e, Index) else "float32"
