@@ -36,6 +36,7 @@ class Target:
     # (source, loop kernels) -> ({kernel name: callable over torch tensors, inputs then outputs}, compiled_now)
     load: Callable = None
     tunes: bool = False  # its load takes `autotune=` (launch configurations timed at the first launch)
+    sized: object = None  # codegen.sizes.Sized: its kernels can take sizes as arguments (load's `sizes=`)
 
     def generates(self, dtype: str) -> bool:
         return dtype in self.dtypes

@@ -12,8 +12,10 @@ from .pipeline import REPORT_ENV, Levels, Options, run_pipeline
 
 class CompiledFunction:
     """A compiled program: call it like the original.  Carries `plan` (the
-    chosen kernels), `source` (generated code), `report` (saturation) and
-    `levels` (every IR level's text)."""
+    chosen kernels), `source` (generated code), `report` (saturation),
+    `levels` (every IR level's text) and `sizes` (None, or the values its
+    kernels take as arguments where they run on a build shared with programs
+    of other sizes: codegen/sizes.py)."""
 
     def __init__(self, executable, plan, report, levels: Levels, fn=None, options: dict | None = None):
         self._executable = executable
@@ -25,6 +27,7 @@ class CompiledFunction:
         self.levels = levels
         self.source = levels.source
         self.loop_kernels = executable.loops  # the loop IR `source` renders
+        self.sizes = executable.sizes
 
     def __call__(self, *args):
         if torch.is_grad_enabled() and self._needs_grad(args):

@@ -120,6 +120,8 @@ def lower_and_load(plan: Plan, rules, target, options: Options, levels: Levels) 
         executable = Executable(plan, levels.source, loops, buffer_names, target, cuda_graphs=options.cuda_graphs,
                                 aliases=aliases, lend_outputs=options.lend_outputs,
                                 autotune=options.autotune)
+    if executable.sizes is not None:  # a template's build, serving programs of other sizes (codegen/sizes.py)
+        levels.source = target.sized.note(executable.sizes) + executable.source
     levels.wrapper = executable.wrapper.source
     levels.timings["load"] = time.perf_counter() - clock
     return executable

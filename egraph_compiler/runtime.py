@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils import _pytree as pytree
 
+from .codegen.sizes import TEMPLATES
 from .errors import InputError
 from .graph import Graph, Literal, Node, view_source
 from .graphs import GraphedRunner, recorder_for
@@ -38,10 +39,15 @@ class Executable:
         self.compiled_now = False
         self.loops = loops  # the generated kernels' loop IR
         self._calls = {}
+        self.source, self.sizes = source, None  # what is built, and this program's sizes in it (sizes.py)
         aliases = aliases or {}
         if loops:
             tuning = {"autotune": autotune} if target.tunes else {}
-            self._calls, self.compiled_now = target.load(source, [lk for lk in loops if lk.name not in aliases],
+            if target.sized is not None:
+                self.source, self.sizes = TEMPLATES.source(target.name, source, target.sized)
+            if self.sizes is not None:
+                tuning["sizes"] = self.sizes
+            self._calls, self.compiled_now = target.load(self.source, [lk for lk in loops if lk.name not in aliases],
                                                          **tuning)
             self._calls.update((name, self._calls[same]) for name, same in aliases.items())
         nodes = {name: node for node in _all_nodes(plan) for name in [buffer_names.get(id(node))] if name}

@@ -1,0 +1,141 @@
+"""Sizes as kernel arguments (codegen/sizes.py): a program that differs from an earlier one
+only in sizes runs on one template build, with its own sizes passed at each call; never where
+its source differs otherwise, and never with a size where the language needs a constant."""
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import egraph_compiler as egc
+from egraph_compiler import cache
+from egraph_compiler.codegen import cpp
+from egraph_compiler.codegen.sizes import Templates
+
+from tests.test_random_programs import random_program
+
+
+def ln_relu_sum(x, w, b):
+    return torch.relu(F.layer_norm(x, (x.shape[-1],), w, b)) * 2 + x.sum(-1, keepdim=True)
+
+
+def test_third_size_reuses_the_template_build():
+    w, b = torch.randn(96), torch.randn(96)
+    seen = []
+    for rows in (40, 56, 72, 3, 17):  # below the threshold for threads: one loop form throughout
+        x = torch.randn(rows, 96)
+        before = cache.builds
+        compiled = egc.compile(ln_relu_sum, [x, w, b])
+        torch.testing.assert_close(compiled(x, w, b), ln_relu_sum(x, w, b))
+        seen.append((compiled.sizes, cache.builds - before))
+    assert seen[0][0] is None  # the first of its form: literals
+    assert seen[1] == ([56], 1)  # the second: the row count becomes an argument, built once
+    assert seen[2] == ([72], 0) and seen[3] == ([3], 0) and seen[4] == ([17], 0)  # the rest: that build
+    assert "egc_s0 = 17" in compiled.levels.source and "o < egc_s0" in compiled.levels.source
+
+
+@pytest.mark.parametrize("model", ["gpt2", "bert"])
+def test_dynamic_model_builds_once_for_later_sizes(model):
+    """`dynamic=True` on a transformers model (GPT-2's and BERT's position gathers read `o % seq`):
+    a third sequence length compiles no C++, and every length matches eager.  (LLaMA's rotary
+    kernels divide the row index inside their row loops: each length keeps its own build.)"""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if model == "gpt2":
+        net = transformers.GPT2Model(transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=100,
+                                                             bos_token_id=0, eos_token_id=0)).eval()
+    else:
+        net = transformers.BertModel(transformers.BertConfig(
+            num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4, vocab_size=100,
+            max_position_embeddings=64)).eval()
+    compiled = torch.compile(net, backend="egraph", dynamic=True)
+    with torch.no_grad():
+        for seq in (12, 20, 28):
+            ids = torch.randint(0, 100, (2, seq))
+            before = cache.builds
+            torch.testing.assert_close(compiled(ids).last_hidden_state, net(ids).last_hidden_state,
+                                       atol=1e-4, rtol=1e-4)
+    assert cache.builds == before and egc.last_compiled()[-1].sizes is not None
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_programs_at_other_sizes(seed):
+    """Random programs of views, reductions and row composites at four batch and row counts,
+    each against eager (whether it ran on a template or its own build)."""
+    rng = random.Random(seed)
+    program, steps = random_program(rng)
+    cols = rng.choice([6, 16])
+    for n, (batch, rows) in enumerate([(2, 4), (3, 4), (3, 6), (5, 9)]):
+        x = torch.randn(batch, rows, cols, generator=torch.Generator().manual_seed(seed * 10 + n))
+        compiled = egc.compile(program, [x])
+        torch.testing.assert_close(compiled(x), program(x), atol=1e-4, rtol=1e-4, equal_nan=True,
+                                   msg=lambda m: f"{m}\nsteps: {steps}\nsizes: {compiled.sizes}\n{compiled.plan}")
+
+
+def _program(rows: int, stash: int = 8) -> str:
+    return (f'extern "C" void k0(const float* __restrict__ in0, float* __restrict__ buf0) {{\n'
+            f"  for (int64_t o = 0; o < {rows}; ++o) {{\n    const int64_t g = ((o) % {rows // 2});\n"
+            f"    alignas(64) float stash[{stash}];\n"
+            f"    #pragma omp simd\n    for (int64_t r = 0; r < 8; ++r) {{ buf0[r + 8*o] = in0[r + 8*g]; }}\n"
+            f"  }}\n}}\n")
+
+
+def test_templates_generalise_only_where_programs_differ():
+    templates = Templates()
+    assert templates.source("cpu", _program(4), cpp.SIZED) == (_program(4), None)
+    assert templates.source("cpu", _program(4), cpp.SIZED) == (_program(4), None)  # the same again
+    source, sizes = templates.source("cpu", _program(6), cpp.SIZED)
+    assert sizes == [6, 3] and templates.built == 1
+    assert "o < egc_s0" in source and "% egc_s1" in source and "r < 8" in source and "8*o" in source
+    assert "const int64_t egc_s0 = egc_sz[0];" in source and "egc_sz) {" in source
+    assert templates.source("cpu", _program(10), cpp.SIZED) == (source, [10, 5])  # served by it
+
+
+@pytest.mark.parametrize("line", ["    #pragma omp simd simdlen({n})", "    alignas({n}) float stash[8];",
+                                  "    double acc_c[{n}] = {{}};", "    egc_cast<egc_vec<{n}>>(x);",
+                                  "    for (int64_t r = 0; r < 8; ++r) {{ buf0[r] = in0[r % {n}]; }}"])
+def test_a_size_where_cpp_needs_a_constant_is_never_an_argument(line):
+    templates = Templates()
+
+    def text(n: int) -> str:
+        return _program(4).replace("    #pragma omp simd\n", line.format(n=n) + "\n")
+    templates.source("cpu", text(16), cpp.SIZED)
+    assert templates.source("cpu", text(32), cpp.SIZED) == (text(32), None)
+    assert templates.built == 0
+
+
+def test_a_stash_takes_a_variable_length():
+    templates = Templates()
+    templates.source("cpu", _program(4, stash=16), cpp.SIZED)
+    source, sizes = templates.source("cpu", _program(4, stash=32), cpp.SIZED)
+    assert sizes == [32] and "stash[egc_s0]" in source
+
+
+def test_sizes_that_agreed_split_when_a_program_separates_them():
+    """Two literals equal in every program seen share one argument; a program where they differ
+    is not served by that template (a new one reads them apart)."""
+    def text(a: int, b: int) -> str:
+        return f'extern "C" void k0(float* __restrict__ buf0) {{\n  for (int64_t o = 0; o < {a}; ++o) {{ buf0[o] = {b}; }}\n}}\n'
+    templates = Templates()
+    templates.source("cpu", text(4, 4), cpp.SIZED)
+    first, sizes = templates.source("cpu", text(6, 6), cpp.SIZED)
+    assert sizes == [6] and first.count("egc_s0") == 3  # declared, bound, stored
+    second, sizes = templates.source("cpu", text(8, 9), cpp.SIZED)
+    assert second != first and sizes == [8, 9] and templates.built == 2
+
+
+def test_template_builds_compile_and_run():
+    """A template's source as g++ builds it: each kernel reads its sizes from the array."""
+    templates = Templates()
+    templates.source("cpu", _program(4), cpp.SIZED)
+    source, sizes = templates.source("cpu", _program(6), cpp.SIZED)
+    kernel = _loop_kernel()
+    calls, _ = cpp.load(cpp.PRELUDE + source, [kernel], sizes=[10, 5])
+    x, out = torch.randn(5 * 8), torch.empty(10 * 8)
+    calls["k0"](x, out)
+    torch.testing.assert_close(out, x.view(5, 8).repeat(2, 1).view(-1))
+
+
+def _loop_kernel():
+    from egraph_compiler.loopir import LoopKernel, Param
+    return LoopKernel("k0", [Param("in0", "float32", "in"), Param("buf0", "float32", "out")], outer=4, inner=8)
