@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import egraph_compiler as egc
 from egraph_compiler import cache
-from egraph_compiler.codegen import cpp
+from egraph_compiler.codegen import cpp, cpp_load
 from egraph_compiler.codegen.sizes import Templates
 
 from tests.test_random_programs import random_program
@@ -82,13 +82,13 @@ def _program(rows: int, stash: int = 8) -> str:
 
 def test_templates_generalise_only_where_programs_differ():
     templates = Templates()
-    assert templates.source("cpu", _program(4), cpp.SIZED) == (_program(4), None)
-    assert templates.source("cpu", _program(4), cpp.SIZED) == (_program(4), None)  # the same again
-    source, sizes = templates.source("cpu", _program(6), cpp.SIZED)
+    assert templates.source("cpu", _program(4), cpp_load.SIZED) == (_program(4), None)
+    assert templates.source("cpu", _program(4), cpp_load.SIZED) == (_program(4), None)  # the same again
+    source, sizes = templates.source("cpu", _program(6), cpp_load.SIZED)
     assert sizes == [6, 3] and templates.built == 1
     assert "o < egc_s0" in source and "% egc_s1" in source and "r < 8" in source and "8*o" in source
     assert "const int64_t egc_s0 = egc_sz[0];" in source and "egc_sz) {" in source
-    assert templates.source("cpu", _program(10), cpp.SIZED) == (source, [10, 5])  # served by it
+    assert templates.source("cpu", _program(10), cpp_load.SIZED) == (source, [10, 5])  # served by it
 
 
 @pytest.mark.parametrize("line", ["    #pragma omp simd simdlen({n})", "    alignas({n}) float stash[8];",
@@ -99,15 +99,15 @@ def test_a_size_where_cpp_needs_a_constant_is_never_an_argument(line):
 
     def text(n: int) -> str:
         return _program(4).replace("    #pragma omp simd\n", line.format(n=n) + "\n")
-    templates.source("cpu", text(16), cpp.SIZED)
-    assert templates.source("cpu", text(32), cpp.SIZED) == (text(32), None)
+    templates.source("cpu", text(16), cpp_load.SIZED)
+    assert templates.source("cpu", text(32), cpp_load.SIZED) == (text(32), None)
     assert templates.built == 0
 
 
 def test_a_stash_takes_a_variable_length():
     templates = Templates()
-    templates.source("cpu", _program(4, stash=16), cpp.SIZED)
-    source, sizes = templates.source("cpu", _program(4, stash=32), cpp.SIZED)
+    templates.source("cpu", _program(4, stash=16), cpp_load.SIZED)
+    source, sizes = templates.source("cpu", _program(4, stash=32), cpp_load.SIZED)
     assert sizes == [32] and "stash[egc_s0]" in source
 
 
@@ -117,20 +117,20 @@ def test_sizes_that_agreed_split_when_a_program_separates_them():
     def text(a: int, b: int) -> str:
         return f'extern "C" void k0(float* __restrict__ buf0) {{\n  for (int64_t o = 0; o < {a}; ++o) {{ buf0[o] = {b}; }}\n}}\n'
     templates = Templates()
-    templates.source("cpu", text(4, 4), cpp.SIZED)
-    first, sizes = templates.source("cpu", text(6, 6), cpp.SIZED)
+    templates.source("cpu", text(4, 4), cpp_load.SIZED)
+    first, sizes = templates.source("cpu", text(6, 6), cpp_load.SIZED)
     assert sizes == [6] and first.count("egc_s0") == 3  # declared, bound, stored
-    second, sizes = templates.source("cpu", text(8, 9), cpp.SIZED)
+    second, sizes = templates.source("cpu", text(8, 9), cpp_load.SIZED)
     assert second != first and sizes == [8, 9] and templates.built == 2
 
 
 def test_template_builds_compile_and_run():
     """A template's source as g++ builds it: each kernel reads its sizes from the array."""
     templates = Templates()
-    templates.source("cpu", _program(4), cpp.SIZED)
-    source, sizes = templates.source("cpu", _program(6), cpp.SIZED)
+    templates.source("cpu", _program(4), cpp_load.SIZED)
+    source, sizes = templates.source("cpu", _program(6), cpp_load.SIZED)
     kernel = _loop_kernel()
-    calls, _ = cpp.load(cpp.PRELUDE + source, [kernel], sizes=[10, 5])
+    calls, _ = cpp_load.load(cpp.PRELUDE + source, [kernel], sizes=[10, 5])
     x, out = torch.randn(5 * 8), torch.empty(10 * 8)
     calls["k0"](x, out)
     torch.testing.assert_close(out, x.view(5, 8).repeat(2, 1).view(-1))
