@@ -4,7 +4,7 @@ the contiguous direction: a pointwise transpose in tiles, and a column reduction
 (a bias's gradient: the sum over a matrix's rows) as columns of accumulators."""
 from __future__ import annotations
 
-from egraph_compiler.loopir import Acc, LoopKernel, contains, has_gather, loads, local_stride, stride
+from egraph_compiler.loopir import Acc, LoopKernel, contains, has_gather, loads, local_stride
 from egraph_compiler.pieces import tile_vars
 
 TILE = 32  # a transposing kernel's square tile: its reads of each row's cache line all hit

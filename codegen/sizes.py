@@ -22,7 +22,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable
 
-NUMBER = re.compile(r"(?<![\w.])\d+(?![\w.])")  # an integer literal (not part of a name or a float)
+NUMBER = re.compile(r"(?<![\w.])(?<![eE][-+])\d+(?![\w.])")  # an integer literal (not in a name or a float)
 MARK = "\0"
 
 

@@ -1,5 +1,5 @@
-"""Triton renderer: loop IR -> one `@triton.jit` function per kernel, and its
-loader (write the module into the cache, import it, launch on a grid).
+"""Triton renderer: loop IR -> one `@triton.jit` function per kernel (its loader, which
+writes the module into the cache, imports it and launches on a grid: triton_load.py).
 
 A kernel computes a block of XBLOCK outer indices (rows) against RBLOCK inner
 indices: `o` is a column [XBLOCK, 1], `r` a row [1, RBLOCK].  Pointwise kernels
@@ -8,29 +8,24 @@ fits (persistent: each reduction is one `tl.sum`/`tl.max`, and the stashed
 body is a value reused by the store, so the input is read once); longer rows
 loop over RBLOCK chunks.  Arithmetic runs in float32; half-precision buffers
 are widened when loaded and rounded when stored.  This module and its siblings
-(triton_launch.py: launches; triton_tune.py: launch configurations; triton_build.py:
+(triton_load.py: loading; triton_launch.py: launches; triton_tune.py: launch configurations; triton_build.py:
 ahead-of-time compiles; triton_cache.py, which Triton loads as its cache manager) are the
 only code that imports triton; CPU tensors run under the Triton interpreter
 (TRITON_INTERPRET=1).
 """
 from __future__ import annotations
 
-import functools
-import hashlib
-import importlib.util
 import os
 import sys
 from dataclasses import replace
 
-from egraph_compiler import remote
-from egraph_compiler.cache import cache_dir
 from egraph_compiler.errors import EgraphCompilerError
 from egraph_compiler.loopir import (ERROR_FLAG, STASH, Acc, Affine, Load, LoopKernel, contains, has_gather,
                                     substitute, transposed_reads, variables)
 from egraph_compiler.pieces import pieces
 
 from . import triton_split
-from .triton_launch import checked as _checked, direct as _direct, has_option as _has_option
+from .triton_load import SIZED
 from .walker import Target, render_expr, render_index
 
 PERSISTENT_MAX = 32768  # longest row kept in registers (87-91% of copy bandwidth at 16k on an H200)
@@ -312,81 +307,14 @@ def render_program(kernels: list[LoopKernel]) -> str:
     return PRELUDE + "\n\n" + "\n\n\n".join(_Kernel(k).render() for k in kernels) + "\n"
 
 
-def _module_path(source: str):
-    return cache_dir() / f"egc_triton_{hashlib.sha256(source.encode()).hexdigest()[:24]}.py"
-
-
-def _import(source: str):
-    path = _module_path(source)
-    if not path.exists() or path.read_text() != source:
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(source)
-        os.replace(tmp, path)
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # triton resolves the kernels' globals through the module
-    spec.loader.exec_module(module)
-    return module
-
-
-def load(source: str, kernels: list[LoopKernel], autotune: bool = False):
-    """Write the module into the cache (Triton reads a kernel's source from its
-    file), import it, and wrap each kernel as a launch over its grid."""
-    share_triton_cache()
-    compiled_now = not _module_path(source).exists()
-    module = _import(source)
-    from . import triton_tune  # (which reads this module's launch shapes)
-    from .triton_build import WARM_MIN_KERNELS, WORKERS_ENV, warm_in_parallel
-    tune = triton_tune.enabled(autotune)
-    if (compiled_now and len(kernels) >= WARM_MIN_KERNELS and os.environ.get(WORKERS_ENV, "8") != "0"
-            and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")):
-        warm_in_parallel(source, kernels, tune)
-    calls = {}
-    for k in kernels:
-        shape = _Kernel(k)
-        if shape.split > 1:
-            run = triton_split.launcher(module, k, shape, launch_options(k, shape))
-        elif tune:  # block sizes and warps settled at the first launch (triton_tune.py)
-            run = triton_tune.Tuned(functools.partial(_configured_launch, getattr(module, k.name), k, shape),
-                                    shape, shape.render())
-        else:
-            run = _direct(getattr(module, k.name), shape.grid(), launch_options(k, shape))
-        calls[k.name] = _checked(run, k.name) if has_gather(k) else (lambda *tensors, run=run: run(tensors, ()))
-        calls[k.name].tuned = run if isinstance(run, triton_tune.Tuned) else None  # (Executable.launch_configs)
-    return calls, compiled_now
-
-
-def _configured_launch(fn, k: LoopKernel, shape: "_Kernel", config):
-    from .triton_tune import configured
-    tuned = configured(shape, config)
-    return _direct(fn, tuned.grid(), launch_options(k, tuned))
-
-
-def kernel_functions(k: LoopKernel, shape: "_Kernel") -> list[tuple[str, list[tuple[str, str]]]]:
-    """A loop kernel's Triton functions, each with its parameters (name, dtype) in order."""
-    params = [(p.name, p.dtype) for p in k.params] + ([(ERROR_FLAG, "int32")] if has_gather(k) else [])
-    if shape.split > 1:
-        params.append((triton_split.WORKSPACE, "float32"))
-        return [(f"{k.name}_part", params), (k.name, params)]
-    return [(k.name, params)]
-
-
-def launch_options(k: LoopKernel, shape: "_Kernel") -> dict:
-    """Block sizes and compile options of a kernel's launches.  No fused multiply-add: torch
-    rounds every op, and a contracted `x*x - max(x*x)` is not 0 (exp of it overflows
-    softmax; see tests/test_regressions.py).  A kernel with gathers runs with `debug`, so
-    that its device asserts fire (as Inductor's indirect indexing does), without the
-    integer overflow checks that debug would also add where Triton can leave them out."""
-    options = dict(XBLOCK=shape.xblock, RBLOCK=shape.rblock, num_warps=shape.warps, enable_fp_fusion=False)
-    if has_gather(k):
-        options["debug"] = True
-        if _has_option("sanitize_overflow"):
-            options["sanitize_overflow"] = False
-    return options
+def load(source: str, kernels: list[LoopKernel], autotune: bool = False, sizes: list[int] | None = None):
+    """Import the module and wrap each kernel as a launch over its grid (triton_load.py)."""
+    from .triton_load import load_module
+    return load_module(source, kernels, autotune, sizes)
 
 
 TABLE = Target(name="cuda", device="cuda", render=render_program, kernel_source=lambda k: _Kernel(k).render(),
-               load=load, tunes=True, **_FIELDS)
+               load=load, tunes=True, sized=SIZED, **_FIELDS)
 
 
 def make_target(name: str, device: str) -> Target:
@@ -400,13 +328,3 @@ def make_target(name: str, device: str) -> Target:
                 "in this process without it: set TRITON_INTERPRET=1 in the environment before starting Python")
         os.environ.setdefault("TRITON_INTERPRET", "1")
     return replace(TABLE, name=name, device=device)
-
-
-
-def share_triton_cache() -> None:
-    """With EGC_REMOTE_CACHE set, Triton's cache manager (TRITON_CACHE_MANAGER, unless
-    the user set one) becomes triton_cache.SharedCacheManager, for this process and the
-    compile workers it starts: every Triton kernel compiled here, Inductor's included,
-    is stored in the shared cache, and one compiled elsewhere is fetched instead."""
-    if os.environ.get(remote.URL_ENV) and not os.environ.get("TRITON_CACHE_MANAGER"):
-        os.environ["TRITON_CACHE_MANAGER"] = "egraph_compiler.codegen.triton_cache:SharedCacheManager"

@@ -14,22 +14,24 @@ from egraph_compiler.errors import CodegenError
 from egraph_compiler.loopir import LoopKernel
 
 from . import triton_tune
-from .triton import _Kernel, _import, _module_path, kernel_functions, launch_options, share_triton_cache
+from .triton import _Kernel
+from .triton_load import _import, _module_path, kernel_functions, launch_options, share_triton_cache, size_params
 
 WARM_MIN_KERNELS = 8  # fewer kernels compile faster in this process than a child Python starts
 WORKERS_ENV = "EGC_COMPILE_WORKERS"  # child processes that compile a module's kernels (0: none); default 8
 
 
-def warm_in_parallel(source: str, kernels: list[LoopKernel], tune: bool = False) -> None:
+def warm_in_parallel(source: str, kernels: list[LoopKernel], tune: bool = False, sizes: dict | None = None) -> None:
     """Compile a module's kernels for this machine's GPU in child processes
     (as Inductor's compile workers do): each child runs `warmup` on its share,
     which stores the binaries in Triton's on-disk cache, where this process's
-    first launch finds them (`tune`: every candidate configuration).  Best effort: a kernel a child did not compile is
+    first launch finds them (`tune`: every candidate configuration; `sizes`: a template's
+    (name, value) size arguments per function, compiled for their values' class).  Best effort: a kernel a child did not compile is
     compiled at its first launch, as before (errors surface there)."""
     path = _module_path(source)
     specs = [(name, [dtype for _, dtype in params], launch_options(k, shape))  # (each candidate, where tuned)
              for k in kernels for shape in triton_tune.to_compile(_Kernel(k), tune)
-             for name, params in kernel_functions(k, shape)]
+             for name, params in kernel_functions(k, shape, sizes)]
     workers = min(int(os.environ.get(WORKERS_ENV, "8")), os.cpu_count() or 1, -(-len(specs) // 4))
     children = [subprocess.Popen([sys.executable, "-c", _WARM, str(path), json.dumps(specs[i::workers])],
                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for i in range(workers)]
@@ -47,7 +49,8 @@ sys.modules[spec.name] = module
 spec.loader.exec_module(module)
 for name, dtypes, options in specs:
     try:
-        getattr(module, name).warmup(*[getattr(torch, d) for d in dtypes], grid=(1,), **options)
+        getattr(module, name).warmup(*[getattr(torch, d) if isinstance(d, str) else d for d in dtypes],
+                                     grid=(1,), **options)
     except Exception:
         pass
 """
@@ -64,16 +67,18 @@ def compile_for_gpu(modules: list[tuple[str, list[LoopKernel]]], arch: int = 90,
     refuses (types, constants) fails here.  Runs in one child Python without
     TRITON_INTERPRET (which replaces triton.language's own functions in this
     process); raises CodegenError with the compiler's message and the module.
-    `candidates`: with every launch configuration the tuner may try (triton_tune.py)."""
+    `candidates`: with every launch configuration the tuner may try (triton_tune.py); a
+    template's sizes (codegen/sizes.py) compile as 32-bit ints."""
     share_triton_cache()
     specs = []
     for source, kernels in modules:
         path = _module_path(source)
         if not path.exists() or path.read_text() != source:
             _import(source)
-        specs += [(str(path), name, {p: SIGNATURE[dtype] for p, dtype in params}, launch_options(k, shape))
+        sized = {name: [(f"egc_s{i}", 2) for i in slots] for name, slots in size_params(source).items()}
+        specs += [(str(path), name, {p: SIGNATURE.get(dtype, "i32") for p, dtype in params}, launch_options(k, shape))
                   for k in kernels for shape in triton_tune.to_compile(_Kernel(k), candidates)
-                  for name, params in kernel_functions(k, shape)
+                  for name, params in kernel_functions(k, shape, sized)
                   if f"def {k.name}(" in source]  # (a repeated kernel runs another's code: walker.unique_kernels)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", _GPU_COMPILE, json.dumps(specs), str(arch)],

@@ -1,7 +1,7 @@
 """Triton's compiled kernels in the shared compile cache (remote.py).
 
 Triton looks its cache manager up by name (TRITON_CACHE_MANAGER, which
-codegen/triton.py's `share_triton_cache` sets when EGC_REMOTE_CACHE is set): this module is
+codegen/triton_load.py's `share_triton_cache` sets when EGC_REMOTE_CACHE is set): this module is
 loaded by Triton itself, and is the one place that subclasses Triton's cache.
 """
 from __future__ import annotations

@@ -9,13 +9,14 @@ import functools
 from egraph_compiler.errors import IndexOutOfRange
 
 
-def direct(fn, grid, options):
+def direct(fn, grid, options, sizes: tuple = ()):
     """A kernel's launch.  The first with each specialisation goes through `fn[grid]` (Triton's
     JITFunction.run: binds the arguments, computes their specialisation key, finds or compiles
     the kernel), and keeps the compiled kernel it returns; later launches with the same
     specialisation call that kernel's launcher directly, as Inductor's do.  The key is what
     Triton specialises pointers on, each one's 16-byte alignment, and the device; dtypes and
-    sizes are fixed per compiled program.  The interpreter and a Triton older than 3.4 (no
+    sizes are fixed per compiled program, or a template's `sizes` (ints after the tensors and
+    flags) are fixed per launch and of one specialisation class.  The interpreter and a Triton older than 3.4 (no
     `triton.knobs`, whose launch hooks the direct launch passes on) take JITFunction.run every time."""
     launched: dict = {}
     names = getattr(fn, "arg_names", ())
@@ -26,9 +27,10 @@ def direct(fn, grid, options):
     runtime = []  # (triton.knobs.runtime, the driver's current-stream function), after the first launch
 
     def run(tensors, extra):
-        args = (*tensors, *extra)
+        pointers = (*tensors, *extra)
+        args = (*pointers, *sizes)
         device = args[0].get_device()
-        key = (device, *[t.data_ptr() & 15 == 0 for t in args])
+        key = (device, *[t.data_ptr() & 15 == 0 for t in pointers])
         kernel = launched.get(key)
         if kernel is None or constexprs is None:
             kernel = fn[grid](*args, **options)

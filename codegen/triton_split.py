@@ -75,9 +75,10 @@ def render(shape, params: str, store_lines) -> str:
     return "\n".join(part + [""] * 2 + final + store_lines)
 
 
-def launcher(module, k: LoopKernel, shape, options: dict):
+def launcher(module, k: LoopKernel, shape, options: dict, part_sizes: tuple = (), final_sizes: tuple = ()):
     """run(tensors, extra): both launches over one workspace, allocated per call (from a
-    CUDA graph's pool when recorded); `extra`: the arguments after the tensors (a flag)."""
+    CUDA graph's pool when recorded); `extra`: the arguments after the tensors (a flag); each
+    kernel's sizes, in a template's build (triton_load.py), after the workspace."""
     import torch
     part, final = getattr(module, f"{k.name}_part"), getattr(module, k.name)
     blocks = -(-k.outer // shape.xblock)
@@ -85,6 +86,6 @@ def launcher(module, k: LoopKernel, shape, options: dict):
 
     def run(tensors, extra):
         workspace = torch.empty(size, dtype=torch.float32, device=tensors[0].device)
-        part[(blocks, shape.split)](*tensors, *extra, workspace, **options)
-        final[(blocks,)](*tensors, *extra, workspace, **options)
+        part[(blocks, shape.split)](*tensors, *extra, workspace, *part_sizes, **options)
+        final[(blocks,)](*tensors, *extra, workspace, *final_sizes, **options)
     return run

@@ -210,8 +210,8 @@ def dynamo_backend(gm, example_inputs, **kwargs):
 
     A graph with symbolic sizes (`dynamic=True`, or Dynamo's automatic dynamic
     shapes after a shape change) is compiled once per distinct size it is
-    called with: the plan and kernels are specialised to each size (sizes are
-    not kernel arguments yet), and a size seen before reuses its program.
+    called with: each size has its own plan, its kernels share one build with other
+    sizes where only sizes differ (codegen/sizes.py), and a size seen before reuses its program.
     `torch.compile(..., options={...})` passes `compile`'s keyword arguments
     (target, rules, disable, ...); `mode="reduce-overhead"` (and "max-autotune")
     turns on CUDA graphs (`cuda_graphs=True`), "max-autotune" also tuned Triton

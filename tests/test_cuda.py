@@ -321,3 +321,34 @@ def test_layer_norm_moments_are_stable_on_the_gpu(dtype, autotune):
         ulp = 1e-6 if dtype == torch.float32 else 1e-2
         torch.testing.assert_close(got[0], want[0], atol=ulp * 4, rtol=ulp * 4)
         assert (got - want).abs().max() <= 2 * (reference - want).abs().max() + ulp, (rows, length)
+
+
+def test_template_kernels_serve_sizes_of_every_specialisation_class():
+    """Sizes as arguments (codegen/sizes.py) on the GPU: after the second row count the kernels
+    take sizes as ints, which Triton specialises (1, divisible by 16, otherwise); each class
+    and each size of one class is right, launched directly after the first launch."""
+    def fn(x, w):
+        return torch.relu(F.layer_norm(x, x.shape[-1:], w)) + x.sum(-1, keepdim=True)
+    w = torch.randn(100, device="cuda")
+    seen = []
+    for rows in (40, 56, 72, 64, 1, 3, 4096, 4097, 72):
+        x = torch.randn(rows, 100, device="cuda")
+        compiled = egc.compile(fn, [x, w])
+        for _ in range(2):  # (the second call takes the direct launch)
+            torch.testing.assert_close(compiled(x, w), fn(x, w), atol=1e-4, rtol=1e-4)
+        seen.append(compiled.sizes)
+    assert seen[0] is None and seen[1] == [56] and seen[2] == [72] and seen[-1] == [72]
+    assert sum(s is not None for s in seen) >= 6
+
+
+def test_dynamic_gpt2_on_the_gpu_matches_eager_at_each_length():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    net = transformers.GPT2Model(transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=100)).cuda().eval()
+    compiled = torch.compile(net, backend="egraph", dynamic=True)
+    with torch.no_grad():
+        for seq in (12, 20, 28, 32, 1, 28):
+            ids = torch.randint(0, 100, (2, seq), device="cuda")
+            torch.testing.assert_close(compiled(ids).last_hidden_state, net(ids).last_hidden_state,
+                                       atol=1e-4, rtol=1e-4)
+    assert any(c.sizes is not None for c in egc.last_compiled())

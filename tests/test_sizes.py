@@ -139,3 +139,64 @@ def test_template_builds_compile_and_run():
 def _loop_kernel():
     from egraph_compiler.loopir import LoopKernel, Param
     return LoopKernel("k0", [Param("in0", "float32", "in"), Param("buf0", "float32", "out")], outer=4, inner=8)
+
+
+# --- the Triton target (the interpreter here; the H200 in tests/test_cuda.py) --------------------
+
+def test_triton_later_sizes_run_the_template_module():
+    """Under the Triton target the second row count makes a template whose kernels take the sizes
+    they read as int arguments; later counts import nothing new and match eager, and the
+    template compiles for an H200 (without one)."""
+    from egraph_compiler.codegen import triton_load
+    from egraph_compiler.codegen.triton_build import compile_for_gpu
+    w, b = torch.randn(80), torch.randn(80)
+    seen = []
+    for rows in (40, 56, 72, 3, 17, 1):
+        x = torch.randn(rows, 80)
+        modules = len(triton_load._MODULES)
+        compiled = egc.compile(ln_relu_sum, [x, w, b], target="triton")
+        torch.testing.assert_close(compiled(x, w, b), ln_relu_sum(x, w, b))
+        seen.append((compiled.sizes, len(triton_load._MODULES) - modules, compiled))
+    assert seen[0][:2] == (None, 1) and seen[1][:2] == ([56], 1), seen
+    assert [s[:2] for s in seen[2:5]] == [([72], 0), ([3], 0), ([17], 0)]
+    template = seen[4][2]
+    assert "omask = o < egc_s0" in template.source and ", egc_s0, XBLOCK: tl.constexpr" in template.source
+    assert set(triton_load.size_params(template.source)) == {lk.name for lk in template.loop_kernels}
+    compile_for_gpu([(template.source, template.loop_kernels)])
+
+
+@pytest.mark.parametrize("line", ["    s = tl.arange(0, {n})[None, :]", "    v = tl.full([{n}], 0.0, tl.float32)",
+                                  "    a = tl.sum(v, axis={n})", "    p = tl.program_id({n})"])
+def test_a_size_where_triton_needs_a_constant_is_never_an_argument(line):
+    from egraph_compiler.codegen import triton_load
+
+    def text(n: int) -> str:
+        return (f"@triton.jit\ndef k0(in0, XBLOCK: tl.constexpr, RBLOCK: tl.constexpr):\n"
+                f"    omask = o < {n * 3}\n{line.format(n=n)}\n")
+    templates = Templates()
+    templates.source("cuda", text(1), triton_load.SIZED)
+    assert templates.source("cuda", text(2), triton_load.SIZED) == (text(2), None) and templates.built == 0
+
+
+def test_a_float_exponent_is_not_a_size():
+    """`1e-05` against `1e-06`: a different constant, never a slot (`1e-egc_s0` is no number)."""
+    from egraph_compiler.codegen import triton_load
+    templates = Templates()
+
+    def text(n: int, eps: str) -> str:
+        return f"@triton.jit\ndef k0(in0, XBLOCK: tl.constexpr):\n    omask = o < {n}\n    e = ({eps})\n"
+    templates.source("cuda", text(4, "1e-05"), triton_load.SIZED)
+    assert templates.source("cuda", text(8, "1e-06"), triton_load.SIZED) == (text(8, "1e-06"), None)
+    source, sizes = templates.source("cuda", text(8, "1e-05"), triton_load.SIZED)
+    assert sizes == [8] and "(1e-05)" in source and "o < egc_s0" in source
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_programs_at_other_sizes_on_triton(seed):
+    rng = random.Random(seed + 100)
+    program, steps = random_program(rng)
+    for n, (batch, rows) in enumerate([(2, 4), (3, 4), (3, 6)]):
+        x = torch.randn(batch, rows, 16, generator=torch.Generator().manual_seed(seed * 10 + n))
+        compiled = egc.compile(program, [x], target="triton")
+        torch.testing.assert_close(compiled(x), program(x), atol=1e-4, rtol=1e-4, equal_nan=True,
+                                   msg=lambda m: f"{m}\nsteps: {steps}\nsizes: {compiled.sizes}\n{compiled.plan}")
