@@ -6,6 +6,7 @@ import os
 import torch
 
 from .capture import bind_sizes, scalar_slots
+from .symbolic import Symbolic, constants
 from .errors import InputError
 from .pipeline import REPORT_ENV, Levels, Options, run_pipeline
 
@@ -210,8 +211,9 @@ def dynamo_backend(gm, example_inputs, **kwargs):
 
     A graph with symbolic sizes (`dynamic=True`, or Dynamo's automatic dynamic
     shapes after a shape change) is compiled once per distinct size it is
-    called with: each size has its own plan, its kernels share one build with other
-    sizes where only sizes differ (codegen/sizes.py), and a size seen before reuses its program.
+    called with: the graph is exported once with its sizes dynamic (symbolic.py), each
+    size has its own plan, its kernels share one build with other sizes where only sizes
+    differ (codegen/sizes.py), and a size seen before reuses its program.
     `torch.compile(..., options={...})` passes `compile`'s keyword arguments
     (target, rules, disable, ...); `mode="reduce-overhead"` (and "max-autotune")
     turns on CUDA graphs (`cuda_graphs=True`), "max-autotune" also tuned Triton
@@ -255,6 +257,7 @@ class _PerSize:
     def __init__(self, gm, kwargs):
         self.gm, self.kwargs, self.programs, self.compiled = gm, kwargs, {}, None
         self.scalars = scalar_slots(gm)
+        self.symbolic: dict = {}  # the values bound as constants -> the graph exported for every size
 
     def _key(self, args) -> tuple:
         return tuple(("item", a.item()) if i in self.scalars else
@@ -264,7 +267,19 @@ class _PerSize:
     def compile(self, args: list):
         slots = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and i not in self.scalars]
         gm = self.gm if len(slots) == len(args) else bind_sizes(self.gm, args, self.scalars)
-        compiled = compile(gm, [args[i] for i in slots], **self.kwargs)
+        tensors = [args[i] for i in slots]
+        values = constants(self.gm, args, self.scalars)
+        key = repr(sorted(values.items()))
+        if key not in self.symbolic:
+            self.symbolic[key] = Symbolic(self.gm, values)
+            while len(self.symbolic) > self.LIMIT:
+                del self.symbolic[next(iter(self.symbolic))]
+        exported = self.symbolic[key].program(tensors)
+        gm.egc_exported = exported  # (capture's ATen graph at these sizes; None: it exports them)
+        try:
+            compiled = compile(gm, tensors, **self.kwargs)
+        finally:
+            del gm.egc_exported
         self.programs[self._key(args)] = (compiled, slots)
         while len(self.programs) > self.LIMIT:
             del self.programs[next(iter(self.programs))]

@@ -6,7 +6,8 @@ dtypes; `run_decompositions({})` functionalises it while keeping composites
 them is the rules' job.  Each ATen op is translated onto the op table by the
 converters' tables (converters.py; reads by index: indexing.py; backward
 graphs' own ops: gradients.py; convolutional networks': convnets.py); anything
-they lack becomes an `extern` node run by ATen.  This is the only module that imports torch.export / torch.fx.
+they lack becomes an `extern` node run by ATen.  With symbolic.py (a Dynamo graph of symbolic
+sizes, exported once), the only module that imports torch.export / torch.fx.
 """
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ class _Wrap(torch.nn.Module):
         return self.fn(*args)
 
 
-def export_aten(module: torch.nn.Module, example_inputs) -> torch.export.ExportedProgram:
+def export_aten(module: torch.nn.Module, example_inputs, dynamic_shapes=None) -> torch.export.ExportedProgram:
     fn = module.fn if isinstance(module, _Wrap) else module
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -54,13 +55,15 @@ def export_aten(module: torch.nn.Module, example_inputs) -> torch.export.Exporte
         program = None
         if not isinstance(fn, torch.fx.GraphModule) and torch._guards.TracingContext.try_get() is None:
             try:
-                program = torch.export.export(module, tuple(example_inputs), strict=True)
+                program = torch.export.export(module, tuple(example_inputs), strict=True,
+                                              dynamic_shapes=dynamic_shapes)
             except Exception:
                 program = None
         if program is None:
             try:  # outside Dynamo's tracing context: its fake values hold guards on Dynamo's own arguments
                 with torch._guards.tracing(None):
-                    program = torch.export.export(module, tuple(example_inputs), strict=False)
+                    program = torch.export.export(module, tuple(example_inputs), strict=False,
+                                                  dynamic_shapes=dynamic_shapes)
             except Exception as exc:  # torch's own message names the failing construct
                 raise CaptureError(f"torch.export could not capture the program: {exc}") from exc
         return program.run_decompositions({})
@@ -69,7 +72,8 @@ def export_aten(module: torch.nn.Module, example_inputs) -> torch.export.Exporte
 def capture(fn, example_inputs) -> tuple[Graph, str]:
     """Returns the Graph IR and the ATen graph's text."""
     module = fn if isinstance(fn, torch.nn.Module) else _Wrap(fn)
-    program = export_aten(module, example_inputs)
+    # a Dynamo graph of symbolic sizes brings its export at these sizes (symbolic.py)
+    program = getattr(fn, "egc_exported", None) or export_aten(module, example_inputs)
     gm = program.graph_module
     kinds = {spec.arg.name: spec for spec in program.graph_signature.input_specs}
     env: dict[str, object] = {}
