@@ -107,7 +107,7 @@ _FIELDS = dict(
 class _Kernel:
     """Renders one loop kernel: its launch shape and its body lines."""
 
-    def __init__(self, k: LoopKernel):
+    def __init__(self, k: LoopKernel, splittable: bool = True):
         self.k = k
         self.types = {p.name: p.dtype for p in k.params}
         self._outer = False  # rendering the stores made once per outer index (a load's mask: `load`)
@@ -122,7 +122,7 @@ class _Kernel:
         self.warps = 8 if self.rblock * self.xblock >= 4096 else 4
         if self.rblock >= 8192:
             self.warps = 16
-        self.split, self.chunk = triton_split.split_rows(k)
+        self.split, self.chunk = triton_split.split_rows(k) if splittable else (1, k.inner)
         if self.split > 1:  # a column reduction over many rows: partial sums, then their sum (triton_split.py)
             self.xblock, self.rblock = triton_split.SPLIT_TILE
             self.looped, self.warps = True, 4
@@ -131,7 +131,10 @@ class _Kernel:
         # qkv bias's gradient 79 -> 32 us on the H200).  A pointwise cat keeps the `where`: in pieces
         # the H200 took 27-28 us for a qkv cat that the `where` form does in 20 (BENCHMARKS.md)
         parts = pieces(k) if self.split <= 1 and not self.pointwise else [k]
-        shapes = [_Kernel(p) for p in parts] if len(parts) > 1 else []
+        shapes = [_Kernel(p, splittable=False) for p in parts] if len(parts) > 1 else []  # (pieces in one
+        # launch are never split: a piece that would split otherwise kept the whole kernel's `where`,
+        # whose loads read every operand and which did not split: GPT-2's qkv bias gradient over
+        # [B, S, H, D] gradients took 113 us per layer on the H200, unmeasured in pieces since)
         if any(s.split > 1 or s.pointwise != self.pointwise or s.looped != self.looped for s in shapes):
             parts, shapes = [k], []
         self.pieces, self._piece_shapes = parts, shapes

@@ -378,7 +378,6 @@ for _name in ["add", "sub", "mul", "maximum", "gt", "ge", "lt", "le", "eq", "ne"
             CONVERTERS[getattr(getattr(aten, _name), _overload)] = _binary(_name)
 
 
-
 # functional collectives (ops.py: the "collective" group), where this torch has them
 _c10d = getattr(torch.ops, "_c10d_functional", None)
 if _c10d is not None and hasattr(_c10d, "wait_tensor"):

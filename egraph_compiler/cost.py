@@ -35,14 +35,19 @@ class DeviceProfile:
     attention_launch: float = 0.0
 
 
-ATTENTION = frozenset({"sdpa", "sdpa_mask", "softmax_attention"})
+ATTENTION = frozenset({"sdpa", "sdpa_mask", "softmax_attention", "sdpa_fwd", "sdpa_fwd_mask", "sdpa_grad",
+                       "sdpa_grad_mask"})
+# nodes that take their value from a call another node makes (flash.py: the forward's logsumexp,
+# the backward's three gradients): the call's fixed cost shared among them
+SHARES = {"sdpa_lse": 0.0, "sdpa_lse_mask": 0.0, "sdpa_grad": 1 / 3, "sdpa_grad_mask": 1 / 3}
 
 
 def launch_cost(profile: DeviceProfile, library: bool, op: str = "") -> float:
     """A kernel's fixed cost: its launch, and a library call's own (`library_launch`)."""
     if not library:
         return profile.launch
-    return profile.launch + (profile.attention_launch if op in ATTENTION else profile.library_launch)
+    share = SHARES.get(op, 1.0)
+    return share * (profile.launch + (profile.attention_launch if op in ATTENTION else profile.library_launch))
 
 
 def peak_flops(profile: DeviceProfile, library: bool, op: str = "") -> float:
@@ -177,6 +182,9 @@ def _table_flops(op: str, out_shape, in_shapes) -> float:
         return 2.0 * math.prod(in_shapes[0]) * math.prod(out_shape[1:])
     if op == "embedding_grad":  # the zero fill, and one add per gradient element
         return math.prod(out_shape) + math.prod(in_shapes[0])
+    if op in ("sdpa_grad", "sdpa_grad_mask"):  # each of dq, dk, dv: a third of a backward of about 2.5 forwards
+        q, k = in_shapes[1], in_shapes[2]
+        return 10.0 / 3.0 * math.prod(q[:-1]) * k[-2] * q[-1]
     if op in ATTENTION:
         q, k = in_shapes[0], in_shapes[1]
         return 4.0 * math.prod(q[:-1]) * k[-2] * q[-1]

@@ -1,16 +1,16 @@
-"""Converters for the ops of AOTAutograd's backward graphs that have no forward
-counterpart: slice and select backward, and an embedding's gradient (a
-convolution's: convnets.py), also as an advanced index's (index_put
-accumulating), and as_strided views that read a whole tensor in order.
-capture.py reads them with converters.py's table."""
+"""Converters for the ops of AOTAutograd's graphs that have no eager counterpart:
+slice and select backward, and an embedding's gradient (a convolution's:
+convnets.py), also as an advanced index's (index_put accumulating), as_strided
+views that read a whole tensor in order, and training's fused attention and its
+backward (flash.py's custom ops).  capture.py reads them with converters.py's table."""
 from __future__ import annotations
 
 import math
 
 import torch
 
-from . import ops
-from .converters import _cat, _fill, _reshape, _slice, _unsqueeze
+from . import flash, ops
+from .converters import _cat, _fill, _reshape, _slice, _t, _unsqueeze
 from .graph import Node
 from .indexing import wrapped
 
@@ -82,7 +82,30 @@ def _as_strided_scatter(base, src, size, stride, offset=0):
     return _reshape(src, list(base.shape)) if _whole_in_order(base.shape, size, stride, offset or 0) else None
 
 
+def _fused_attention(q, k, v, mask, scale, causal):
+    """flash.attention: its output and logsumexp as nodes of one call (steps.py)."""
+    attrs, args, tail = {"scale": float(scale), "causal": bool(causal)}, (q, k, v), ""
+    if mask is not None:
+        args, tail = args + (_t(mask),), "_mask"
+    return [_heads_first(Node.make("sdpa_fwd" + tail, args, attrs)),
+            Node.make("sdpa_lse" + tail, args, attrs | {"dtype": "float32"})]
+
+
+def _fused_attention_grad(dout, q, k, v, out, lse, mask, scale, causal):
+    attrs, args, tail = {"scale": float(scale), "causal": bool(causal)}, (dout, q, k, v, out, lse), ""
+    if mask is not None:
+        args, tail = args + (_t(mask),), "_mask"
+    return [_heads_first(Node.make("sdpa_grad" + tail, args, attrs | {"which": i})) for i in range(3)]
+
+
+def _heads_first(bshd: Node) -> Node:
+    """The op table's [B, S, H, D] result (as the kernels lay it out) seen as [B, H, S, D]."""
+    return Node.make("permute", (bshd,), {"dims": (0, 2, 1, 3)})
+
+
 GRADIENTS = {
+    flash.FORWARD: _fused_attention,
+    flash.BACKWARD: _fused_attention_grad,
     aten.as_strided.default: _as_strided,
     aten.as_strided_scatter.default: _as_strided_scatter,
     aten.index_put.default: _index_put,

@@ -110,12 +110,15 @@ class GraphedRunner:
     """Runs `run(env) -> env` (the wrapper) through a CUDA graph once warm.
     `lend(env) -> tensors`: the outputs handed out as the graph's own buffers."""
 
-    def __init__(self, run, user_ids: list[int], name: str = "program", lend=None, recorder=None):
+    def __init__(self, run, user_ids: list[int], name: str = "program", lend=None, recorder=None,
+                 any_strides: frozenset = frozenset()):
+        """`any_strides`: the inputs that only torch's calls read, taken as they are."""
         self._user_ids, self._name, self._lend = user_ids, name, lend
         self._recorder = recorder or CudaRecorder()
+        must_be_dense = [key for key in user_ids if key not in any_strides]
 
         def dense(env):  # a strided input (a saved transpose) is made contiguous inside the graph,
-            strided = [key for key in user_ids if not env[key].is_contiguous()]  # which reads it in place
+            strided = [key for key in must_be_dense if not env[key].is_contiguous()]  # which reads it in place
             if strided:
                 env = dict(env)  # (the caller's env keeps the strided tensor)
                 for key in strided:

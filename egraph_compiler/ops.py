@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from . import library
+from . import flash, library
 from .library import gqa
 
 Shape = tuple[int, ...]
@@ -350,6 +350,20 @@ _op("upsample_bilinear2d", "library", 1, [("size", "ints"), ("align_corners", "b
     lambda t, a: F.interpolate(t[0], size=a["size"], mode="bilinear", align_corners=a["align_corners"]), "first")
 _op("sdpa", "library", 3, [("scale", "float"), ("causal", "bool")], sdpa_shape, 4, library.sdpa)
 _op("sdpa_mask", "library", 4, [("scale", "float"), ("causal", "bool")], sdpa_shape, 4, library.sdpa)
+# training's fused attention (flash.py): output and logsumexp of one call; the gradient of q, k or v
+# (`which`) of (dout, q, k, v, out, lse[, mask]) of one backward call (steps.py makes each call once);
+# outputs and gradients [B, S, H, D] as the kernels lay them out (capture permutes them back)
+_FUSED = [("scale", "float"), ("causal", "bool")]
+_heads_last = lambda shape: (shape[0], shape[2], shape[1], shape[3])  # noqa: E731
+for _mask in ("", "_mask"):
+    _n = 3 + bool(_mask)
+    _op("sdpa_fwd" + _mask, "library", _n, _FUSED, lambda shapes, a: _heads_last(sdpa_shape(shapes, a)), 4,
+        lambda t, a: flash.reference(t, a)[0].transpose(1, 2))
+    _op("sdpa_lse" + _mask, "library", _n, _FUSED + [("dtype", "str")], lambda shapes, a: tuple(shapes[0][:3]), 0,
+        lambda t, a: flash.reference(t, a)[1], "attr")
+    _op("sdpa_grad" + _mask, "library", _n + 3, _FUSED + [("which", "int")],
+        lambda shapes, a: _heads_last(shapes[1 + a["which"]]), 10,
+        lambda t, a: flash.reference_grad(t, a)[a["which"]].transpose(1, 2), "first")
 _op("softmax_attention", "library", 4, [("scale", "float"), ("causal", "bool")], sdpa_shape, 4,
     library.softmax_attention)
 # functional collectives (torch.distributed._functional_collectives as Dynamo captures them): each

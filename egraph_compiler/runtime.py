@@ -53,7 +53,12 @@ class Executable:
         nodes = {name: node for node in _all_nodes(plan) for name in [buffer_names.get(id(node))] if name}
         release = release_schedule(plan)
         verify_plan(plan, release)
-        dense = frozenset([id(n) for n in self.graph.inputs] + [id(n) for n in nodes.values()])
+        generated_reads = {id(view_source(n)) for k in plan.kernels if k.kind == "generated" for n in k.inputs}
+        # inputs that only torch's calls read (a training backward's saved q, k, v, views of the forward's
+        # qkv buffer): taken with the caller's strides, never copied to contiguous first
+        self._any_strides = frozenset(id(n) for n in self.graph.inputs if id(n) not in generated_reads)
+        dense = frozenset([id(n) for n in self.graph.inputs if id(n) not in self._any_strides]
+                          + [id(n) for n in nodes.values()])
         computed = frozenset(id(n) for k in plan.kernels for n in k.outputs)
         self.steps = TorchSteps(target.device, dense, computed)  # library calls, fallbacks and views (steps.py)
         self.wrapper = _straight_line(self, {lk.name: lk for lk in loops}, nodes, release)
@@ -67,13 +72,16 @@ class Executable:
         self.graphed = None
         self._kinds = [self._output_kind(o) for o in self.graph.outputs]
         self._lent = self._lendable(lend_outputs)
+        # a training forward's saved activations: without a graph, handed over as they are (a view
+        # of a buffer of this call's with eager's strides, as q, k and v of a qkv buffer), never cloned
+        self._saved = self._lent if lend_outputs else frozenset()
         recorder = recorder_for(target.device) if cuda_graphs else None
         if recorder is not None:
             user = [id(n) for n in self.graph.inputs if n.attr("name") not in self.graph.bound]
             computed = [i for i in self._lent if self.graph.outputs[i].op != "const"
                         and not self._constant(self.graph.outputs[i])]  # (constants are never rewritten)
             lend = (lambda env: [self._tensor(self.graph.outputs[i], env) for i in computed]) if self._lent else None
-            self.graphed = GraphedRunner(self._run, user, lend=lend, recorder=recorder)
+            self.graphed = GraphedRunner(self._run, user, lend=lend, recorder=recorder, any_strides=self._any_strides)
             if any(k.output.group == "collective" for k in plan.kernels):
                 self.graphed.disabled = "the program has collectives, which are not recorded into CUDA graphs"
 
@@ -81,7 +89,9 @@ class Executable:
     def __call__(self, *args):
         env, owned = self.graphed(self._bind(args)) if self.graphed else (self._run(self._bind(args)), False)
         lent = self._lent if owned and self.graphed.lending else ()
-        results = tuple(self._result(i, env, copy=owned, lend=i in lent) for i in range(len(self.graph.outputs)))
+        saved = () if owned else self._saved
+        results = tuple(self._result(i, env, copy=owned, lend=i in lent or i in saved)
+                        for i in range(len(self.graph.outputs)))
         self._write_back(args, results)
         return self._structure(results[:self.graph.user_outputs])
 
@@ -189,7 +199,8 @@ class Executable:
                 value = self._check(node, value, shape)
             if dims is not None:
                 value = value.permute(dims)  # (dense where the caller's strides are the captured ones)
-            env[key] = value if graphed or value.is_contiguous() else value.contiguous()  # (graphs.py: inside)
+            env[key] = value if graphed or key in self._any_strides or value.is_contiguous() else \
+                value.contiguous()  # (graphs.py: inside the graph)
         for node, key, bound in self._bound_specs:
             env[key] = self._check(node, bound.get())
         return env

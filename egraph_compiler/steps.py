@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch._prims_common import make_contiguous_strides_for
 
-from . import library, ops
+from . import flash, library, ops
 from .errors import CodegenError
 from .graph import WEAK, Node
 
@@ -151,6 +151,8 @@ class TorchSteps:
         reference, attrs = ops.get(node.op).reference, node.a
         if node.op in ("sdpa_mask", "softmax_attention") and self.device == "cuda":
             return self._masked_attention(node)
+        if node.op.removesuffix("_mask") in ("sdpa_fwd", "sdpa_lse", "sdpa_grad"):
+            return self._fused_attention(node)
         if node.op in ("sdpa", "sdpa_mask", "softmax_attention"):  # (what a call decides, decided once)
             attention = library.attention([a.shape for a in node.args], attrs, self.device == "cuda")
             if node.op == "softmax_attention":  # sdpa, and NaN where the mask removes a whole row (once per run)
@@ -168,6 +170,36 @@ class TorchSteps:
         if node.args[2].op == "const" and node.args[2].attr("value") == 0:
             return lambda args: linear(args[0], args[1])
         return lambda args: linear(args[0], args[1], args[2])
+
+    def _fused_attention(self, node: Node):
+        """Training's attention (flash.py): the output and its logsumexp are two nodes of one
+        forward call, dq, dk and dv three of one backward call; a run makes each call once
+        (the first node read computes it, its siblings take their part from the memo), and
+        converts each mask once for the layers that share it."""
+        scale, causal, grad = node.attr("scale"), node.attr("causal"), node.op.startswith("sdpa_grad")
+        key = (grad, scale, causal) + tuple(id(a) for a in node.args)
+        part = node.attr("which") if grad else int(node.op.startswith("sdpa_lse"))
+        operands = 6 if grad else 3
+        masked = len(node.args) > operands
+        mask_key = ("fused mask", id(node.args[-1]), node.args[1 if grad else 0].dtype)
+
+        def run(args):
+            got = self.memo.get(key)
+            if got is None:
+                mask = dead = None
+                if masked:
+                    prepared = self.memo.get(mask_key)
+                    if prepared is None:
+                        q = args[1 if grad else 0]
+                        prepared = self.memo[mask_key] = flash.prepare(args[-1], q, args[2 if grad else 1].shape[2])
+                    mask, dead = prepared
+                if grad:
+                    got = flash.backward(*args[:6], scale, causal, mask)
+                else:
+                    got = flash.forward(*args[:3], scale, causal, mask, dead)
+                self.memo[key] = got
+            return got[part] if part == 1 and not grad else got[part].transpose(1, 2)  # ([B, S, H, D])
+        return run
 
     def _masked_attention(self, node: Node):
         """sdpa with a mask on CUDA: the mask converted once per run for the layers that share it

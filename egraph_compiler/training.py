@@ -7,8 +7,10 @@ any other program.  This is the only module that imports AOTAutograd.
 Backward ATen ops (`_softmax_backward_data`, `native_layer_norm_backward`,
 `gelu_backward`, ...) are decomposed into the primitives of the op table by
 torch's own decompositions, so the rules fuse them like written-out math;
-forward composites stay whole (softmax, gelu, sdpa's math form) except
-`native_layer_norm`, whose saved mean and rstd are primitives' values.
+forward composites stay whole (softmax, gelu) except `native_layer_norm`, whose
+saved mean and rstd are primitives' values.  Attention becomes `egc::attention`
+(flash.py: the fused kernel with its logsumexp, and its own backward) where the
+kernels take it, and is written out (softmax(q k^T s) v) elsewhere.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._guards import TracingContext
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+from . import flash
 from .capture import retarget
 
 aten = torch.ops.aten
@@ -38,12 +41,17 @@ DECOMPOSED = [
 
 
 def _sdpa_math(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    """scaled_dot_product_attention written out (softmax(q k^T * scale + mask) v),
-    decomposed before autograd: the backward is then matmuls and softmax's
-    backward, which the rules fuse, where the fused kernels' own backward
-    would be an ATen call.  Fully masked rows give 0, as torch's math does."""
+    """scaled_dot_product_attention before autograd: `egc::attention` where its kernels
+    take the operands (flash.supported; its backward `egc::attention_backward`, both
+    library calls of the op table), else written out (softmax(q k^T * scale + mask) v,
+    whose backward is matmuls and softmax's backward, which the rules fuse).  Fully
+    masked rows give 0 either way, as torch's math does."""
     if dropout_p != 0.0:  # dropout inside attention: torch's own kernel and its random stream
         return _SDPA(q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+    learned = attn_mask is not None and attn_mask.requires_grad  # (a bias whose gradient the kernels do not give)
+    if (enable_gqa or q.shape[-3:-2] == k.shape[-3:-2]) and not learned and flash.supported(q, k, v, attn_mask,
+                                                                                             is_causal):
+        return flash.attention(q, k, v, attn_mask, q.shape[-1] ** -0.5 if scale is None else scale, is_causal)[0]
     if enable_gqa and k.shape[-3] != q.shape[-3]:
         k = k.repeat_interleave(q.shape[-3] // k.shape[-3], -3)
         v = v.repeat_interleave(q.shape[-3] // v.shape[-3], -3)

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 import egraph_compiler
-from egraph_compiler import UnsupportedOpError, ops, pipeline
+from egraph_compiler import UnsupportedOpError, flash, ops, pipeline
 from egraph_compiler.plan import verify_plan
 
 ATOL = RTOL = 1e-5
@@ -71,6 +71,15 @@ class OpCase:
 
 
 C = OpCase
+
+
+def _mask():
+    """A bool mask over [6 queries, 6 keys], causal, with query 2 seeing no key."""
+    m = torch.ones(6, 6, dtype=torch.bool).tril()
+    m[2] = False
+    return m
+
+
 CASES: list[OpCase] = [
     # ---- pointwise unary (one case per op; edge shapes and non-contiguous arguments mixed in) ----
     C("exp_2d_and_0d", "exp", lambda x, s: (torch.exp(x), torch.exp(s)), lambda: (randn(3, 5), randn())),
@@ -234,6 +243,15 @@ CASES: list[OpCase] = [
       lambda g, ids: (torch.ops.aten.embedding_dense_backward(g, ids, 7, 2, True),
                       torch.ops.aten.embedding_dense_backward(g * 2, ids, 9, -1, False)),
       lambda: (randn(3, 4, 5), torch.randint(0, 7, (3, 4)))),
+    # training's fused attention (flash.py's custom ops, as AOTAutograd's graphs hold them): the output
+    # with its logsumexp, and the gradients from both; a mask that removes one query row entirely
+    *[C(f"fused_attention_{name}{tail}", name + tail, fn, lambda: (randn(2, 4, 6, 8), randn(2, 2, 6, 8),
+                                                                    randn(2, 2, 6, 8), randn(2, 4, 6, 8), _mask()))
+      for tail, masked in (("", False), ("_mask", True)) for name, fn in (
+          ("sdpa_fwd", lambda q, k, v, g, m, x=masked: flash.attention(q, k, v, m if x else None, 0.3, not x)[0] * 2),
+          ("sdpa_lse", lambda q, k, v, g, m, x=masked: flash.attention(q, k, v, m if x else None, 0.3, not x)[1] + 1),
+          ("sdpa_grad", lambda q, k, v, g, m, x=masked: flash.attention_backward(
+              g, q, k, v, *flash.attention(q, k, v, m if x else None, 0.3, not x), m if x else None, 0.3, not x)))],
     C("sdpa_repeat_kv_masked", "sdpa_mask",  # transformers' repeat_kv: the rule hands sdpa K and V unrepeated
       lambda q, k, v, m: F.scaled_dot_product_attention(
           q, k[:, :, None].expand(2, 2, 2, 5, 8).reshape(2, 4, 5, 8),

@@ -26,6 +26,8 @@ CATS = {  # name: (fn, input makers, pieces of the split kernel or 0 for a kerne
     "rows_three_widths": (lambda a, b, c: torch.cat([a, b, c], 1) * 2.0, [_f(6, 3), _f(6, 5), _f(6, 7)], 3),
     "along_dim0": (lambda a, b: torch.cat([a.exp(), b], 0) + 1.0, [_f(5, 40), _f(9, 40)], 2),
     "column_sums": (lambda a, b: torch.cat([a, b * 3.0], 1).sum(0), [_f(300, 24), _f(300, 40)], 2),
+    # a qkv bias's gradient over token rows, long enough that each piece alone would split its rows
+    "column_sums_of_many_rows": (lambda a, b, c: torch.cat([a, b, c], 1).sum(0), [_f(1100, 16)] * 3, 3),
     "row_sums_of_dim0_cat": (lambda a, b: torch.cat([a, b], 0).sum(-1), [_f(3, 64), _f(70, 64)], 2),
     "attention_grads": (lambda a, b, c: _heads(a, b, c) * 0.5,
                         [_f(2, 4, 32, 16), _f(2, 4, 16, 32), _f(2, 4, 32, 16)], 3),

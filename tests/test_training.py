@@ -132,11 +132,12 @@ def test_transformers_model_trains(name):
     assert len(plans) >= 2
     fallbacks = {f.split(" ")[0] for p in plans for f in p.fallbacks}
     assert fallbacks <= OUTSIDE_BLOCKS, fallbacks
-    # attention's backward is matmuls and fused softmax backward, not torch's fused attention backward
+    # attention and its backward are the op table's library calls (flash.py), never ATen fallbacks
     assert not any("attention" in f.split(" ")[0] for p in plans for f in p.fallbacks)
     # the saved transposes (the weight gradients' operands) are views of the forward's buffers, not
     # the activation computed again into a transposed store; backward reads them in place
     forward, backward = plans[0], plans[1]
+    assert sum(n for op, n in backward.ops().items() if op.startswith("sdpa_grad")) == 6, "2 layers' dq, dk, dv"
     again = [str(k) for k in forward.kernels if k.kind == "generated" and k.output.op in ("transpose", "permute")]
     assert not again, again
     assert backward.graph.orders, "backward reads its transposed inputs in their storage's order"

@@ -1,0 +1,175 @@
+"""Training's fused attention (egraph_compiler/flash.py): the forward with its
+logsumexp and the backward that reads it, as custom ops AOTAutograd keeps whole
+and the op table runs as library calls.  Checked against attention written out
+in float64 (`_safe_softmax`: a row with every key masked gives 0), through
+torch's own op checker, and through torch.compile against eager."""
+import pytest
+import torch
+
+import egraph_compiler as egc
+from egraph_compiler import flash
+
+
+def _reference(q, k, v, mask, causal, scale, dout):
+    q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
+    kk, vv = (t.repeat_interleave(q.shape[1] // t.shape[1], 1) for t in (k, v))
+    s = (q @ kk.transpose(-2, -1)) * scale
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask.double()
+    if causal:
+        s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool).tril(), float("-inf"))
+    out = torch.ops.aten._safe_softmax(s, -1) @ vv
+    return (out,) + torch.autograd.grad(out, (q, k, v), dout.double())
+
+
+def _mask(kind: str, b: int, s: int):
+    tri = torch.ones(s, s, dtype=torch.bool).tril()
+    if kind == "causal bool":
+        return tri.expand(b, 1, s, s)
+    if kind == "padding float":  # the last batch's last keys removed (BERT's additive mask)
+        m = torch.zeros(b, 1, 1, s)
+        m[-1, ..., s - 3:] = float("-inf")
+        return m
+    if kind == "a dead row":  # query 3 of batch 0 sees no key at all
+        m = tri.expand(b, 1, s, s).clone()
+        m[0, 0, 3] = False
+        return m
+    if kind == "2-d random":
+        return torch.rand(s, s, generator=torch.Generator().manual_seed(3)) > 0.3
+    return None
+
+
+@pytest.mark.parametrize("backend", ["cpu", "math"])
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (2, 1)])
+@pytest.mark.parametrize("kind", ["none", "causal", "causal bool", "padding float", "a dead row", "2-d random"])
+def test_forward_and_backward_match_attention_written_out(backend, heads, kind, monkeypatch):
+    monkeypatch.setattr(flash, "_backend", lambda q, masked: backend)
+    g = torch.Generator().manual_seed(0)
+    b, s, d = 2, 13, 8  # (13: no size a kernel's block divides)
+    q = torch.randn(b, heads[0], s, d, generator=g)
+    k, v = (torch.randn(b, heads[1], s, d, generator=g) for _ in range(2))
+    dout = torch.randn(b, heads[0], s, d, generator=g)
+    mask, causal = _mask(kind, b, s), kind == "causal"
+    bias, dead = flash.prepare(mask, q, s)
+    out, lse = flash.forward(q, k, v, 0.3, causal, bias, dead)
+    grads = flash.backward(dout, q, k, v, out, lse, 0.3, causal, bias)
+    want = _reference(q, k, v, mask, causal, 0.3, dout)
+    for got, expected in zip((out,) + grads, want):
+        torch.testing.assert_close(got.double(), expected, rtol=1e-4, atol=1e-5)
+        assert got.stride() == flash._strides(got.shape), "laid out as the fake implementation says"
+    assert lse.shape == (b, heads[0], s) and lse.dtype == torch.float32
+    if kind == "a dead row":
+        assert not out[0, :, 3].any() and torch.isinf(lse[0, :, 3]).all()
+
+
+@pytest.mark.parametrize("mask", [None, "causal bool"])
+def test_custom_ops_pass_torchs_op_checks(mask):
+    """Schema, fake (meta) implementation and autograd registration as torch checks them."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 4, 8, 8, generator=g, requires_grad=True) for _ in range(3))
+    torch.library.opcheck(flash.attention, (q, k, v, _mask(mask, 2, 8) if mask else None, 0.35, mask is None))
+
+
+def test_supported_refuses_what_the_kernels_do_not_take():
+    q = torch.randn(2, 4, 8, 8)
+    assert flash.supported(q, q, q, None, True)
+    assert not flash.supported(q[0], q[0], q[0], None, False)  # 3-d
+    assert not flash.supported(q, q[:, :, :5], q[:, :, :5], None, True)  # causal over fewer keys
+    assert not flash.supported(q, q[:, :3], q[:, :3], None, False)  # 4 heads do not group over 3
+    assert not flash.supported(q.double(), q.double(), q.double(), None, False)
+    assert not flash.supported(q, q, q, torch.zeros(3, 1, 8, 8), False)  # a mask that widens the batch
+    assert not flash.supported(q, q, q, torch.zeros(2, 1, 8, 8, dtype=torch.float64), False)
+    assert not flash.supported(q[:, :, :0], q, q, None, False)  # no queries
+
+
+def test_the_cuda_kernel_choice_never_drops_a_mask():
+    """torch's CUDA flash kernel takes no mask: a masked call goes to cuDNN or the math."""
+    from types import SimpleNamespace
+
+    def q(dtype, d):
+        return SimpleNamespace(device=SimpleNamespace(type="cuda"), is_cuda=True, dtype=dtype, shape=(2, 4, 8, d))
+    for d in (64, 160):
+        for dtype in (torch.bfloat16, torch.float32):
+            assert flash._backend(q(dtype, d), masked=True) in ("cudnn", "math")
+    assert flash._backend(q(torch.float32, 64), masked=False) == "math"
+    assert flash._backend(q(torch.bfloat16, 160), masked=True) == "math"
+
+
+class _Attention(torch.nn.Module):
+    def __init__(self, heads=4, kv_heads=4, dim=32):
+        super().__init__()
+        self.heads, self.kv_heads, self.head = heads, kv_heads, dim // heads
+        self.q = torch.nn.Linear(dim, dim)
+        self.kv = torch.nn.Linear(dim, 2 * kv_heads * self.head)
+        self.o = torch.nn.Linear(dim, dim)
+
+    def forward(self, x, mask=None, causal=False):
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, self.heads, self.head).transpose(1, 2)
+        k, v = (t.view(b, s, self.kv_heads, self.head).transpose(1, 2) for t in self.kv(x).chunk(2, -1))
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                                             enable_gqa=self.kv_heads != self.heads)
+        return self.o(a.transpose(1, 2).reshape(b, s, -1))
+
+
+# the Triton target: its interpreter on CPU tensors, or the GPU where there is one
+GPU_TARGET = "cuda" if torch.cuda.is_available() else "triton"
+
+
+@pytest.mark.parametrize("target", ["cpu", GPU_TARGET])
+@pytest.mark.parametrize("case", ["causal", "bool mask, grouped heads"])
+def test_training_runs_one_forward_and_one_backward_call_per_layer(target, case, monkeypatch):
+    torch.manual_seed(0)
+    device = "cuda" if target == "cuda" else "cpu"
+    model = _Attention(kv_heads=4 if case == "causal" else 2).to(device)
+    x = torch.randn(2, 12, 32, device=device)
+    mask = None if case == "causal" else _mask("a dead row", 2, 12).to(device)
+    calls = {"forward": 0, "backward": 0}
+    for name in calls:
+        def counted(*a, _f=getattr(flash, name), _n=name, **k):
+            calls[_n] += 1
+            return _f(*a, **k)
+        monkeypatch.setattr(flash, name, counted)
+    torch._dynamo.reset()
+    egc.last_plans(clear=True)
+    compiled = torch.compile(model, backend="egraph", options={"target": target})
+    weights = torch.randn(2, 12, 32, generator=torch.Generator().manual_seed(1)).to(device)
+    grads = []
+    for fn in (compiled, model):
+        model.zero_grad(set_to_none=True)
+        (fn(x, mask, case == "causal") * weights).sum().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    for name, want in grads[1].items():
+        torch.testing.assert_close(grads[0][name], want, rtol=1e-4, atol=2e-5, msg=lambda m: f"{name}: {m}")
+    forward, backward = egc.last_plans()[:2]
+    tail = "" if mask is None else "_mask"
+    assert forward.ops()["sdpa_fwd" + tail] == 1 and forward.ops()["sdpa_lse" + tail] == 1
+    assert backward.ops()["sdpa_grad" + tail] == 3
+    assert not forward.fallbacks and not backward.fallbacks
+    # the probabilities [B, H, S, S] are never saved: what backward reads is q, k, v, out and lse
+    assert not [n for n in forward.graph.outputs if n.shape[-2:] == (12, 12) and n.op != "input"]
+    # a training step: each of the two calls ran once (the nodes of one call share it)
+    calls.update(forward=0, backward=0)
+    compiled(x, mask, case == "causal").sum().backward()
+    assert calls == {"forward": 1, "backward": 1}, calls
+
+
+def test_a_learned_attention_bias_gets_its_gradient():
+    """An additive mask that is a parameter (a relative position bias) is written out, so its
+    gradient flows: the fused kernels give none."""
+    torch.manual_seed(0)
+    model = _Attention()
+    bias = torch.nn.Parameter(torch.randn(1, 4, 12, 12) * 0.1)
+    x = torch.randn(2, 12, 32)
+    torch._dynamo.reset()
+    egc.last_plans(clear=True)
+    compiled = torch.compile(lambda x: model(x, bias), backend="egraph")
+    grads = []
+    for fn in (compiled, lambda x: model(x, bias)):
+        model.zero_grad(set_to_none=True)
+        bias.grad = None
+        fn(x).square().sum().backward()
+        grads.append(bias.grad.clone())
+    assert grads[1].abs().max() > 0
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-5)
+    assert not any(op.startswith("sdpa_grad") for p in egc.last_plans() for op in p.ops())
