@@ -82,19 +82,21 @@ def _as_strided_scatter(base, src, size, stride, offset=0):
     return _reshape(src, list(base.shape)) if _whole_in_order(base.shape, size, stride, offset or 0) else None
 
 
+def _fused(args: tuple, mask, scale, causal) -> tuple[tuple, dict, str]:
+    """A fused attention node's operands (the mask last, if any), attributes and op suffix."""
+    attrs = {"scale": float(scale), "causal": bool(causal)}
+    return (args, attrs, "") if mask is None else (args + (_t(mask),), attrs, "_mask")
+
+
 def _fused_attention(q, k, v, mask, scale, causal):
     """flash.attention: its output and logsumexp as nodes of one call (steps.py)."""
-    attrs, args, tail = {"scale": float(scale), "causal": bool(causal)}, (q, k, v), ""
-    if mask is not None:
-        args, tail = args + (_t(mask),), "_mask"
+    args, attrs, tail = _fused((q, k, v), mask, scale, causal)
     return [_heads_first(Node.make("sdpa_fwd" + tail, args, attrs)),
             Node.make("sdpa_lse" + tail, args, attrs | {"dtype": "float32"})]
 
 
 def _fused_attention_grad(dout, q, k, v, out, lse, mask, scale, causal):
-    attrs, args, tail = {"scale": float(scale), "causal": bool(causal)}, (dout, q, k, v, out, lse), ""
-    if mask is not None:
-        args, tail = args + (_t(mask),), "_mask"
+    args, attrs, tail = _fused((dout, q, k, v, out, lse), mask, scale, causal)
     return [_heads_first(Node.make("sdpa_grad" + tail, args, attrs | {"which": i})) for i in range(3)]
 
 
