@@ -14,11 +14,15 @@ addresses are checked per replay; one that moved records the graph again and
 from then on is copied into a static buffer, so an argument that is a fresh
 tensor per call costs one copy; a copied one that then stays put over two
 calls records again reading it in place (once per input), so recordings are
-bounded by the inputs.
+bounded by the inputs.  A backward's incoming gradients (`tangents_*`) are new
+tensors every step, at whatever address the allocator had free: they are copied
+from the first recording on, never bet on to stay put.
 
 A training forward's saved activations are lent, not copied (`lend`): the
-caller gets the graph's own buffers, and the backward graph, called with them
-at the same addresses each step, reads them in place (copying them out of one
+caller gets the graph's own buffers (a saved value torch can only give as a
+copy, such as keys repeated per head, is computed inside the recording too),
+and the backward graph, called with them at the same addresses each step,
+reads them in place (copying them out of one
 graph and into the other was 1.4 of GPT-2's 4.4 ms step on the H200). A
 replay would overwrite what it lent, so before each replay the lent buffers'
 storages are counted (`torch._C._storage_Use_Count`, views included): while
@@ -111,8 +115,9 @@ class GraphedRunner:
     `lend(env) -> tensors`: the outputs handed out as the graph's own buffers."""
 
     def __init__(self, run, user_ids: list[int], name: str = "program", lend=None, recorder=None,
-                 any_strides: frozenset = frozenset()):
-        """`any_strides`: the inputs that only torch's calls read, taken as they are."""
+                 any_strides: frozenset = frozenset(), fresh: frozenset = frozenset()):
+        """`any_strides`: the inputs that only torch's calls read, taken as they are; `fresh`: inputs
+        that are new tensors on every call (a backward's incoming gradients), always copied in."""
         self._user_ids, self._name, self._lend = user_ids, name, lend
         self._recorder = recorder or CudaRecorder()
         must_be_dense = [key for key in user_ids if key not in any_strides]
@@ -132,8 +137,8 @@ class GraphedRunner:
         self.recordings = 0
         self._calls = 0
         self._last: dict[int, tuple] = {}  # user input -> (address, strides) on the previous call
-        self._moved: set[int] = set()  # user inputs seen at two addresses: copied per replay
-        self._settled: set[int] = set()  # copied inputs that later stayed put (promoted to in place once)
+        self._moved: set[int] = set(fresh)  # user inputs seen at two addresses: copied per replay
+        self._settled: set[int] = set(fresh)  # copied inputs that later stayed put (promoted to in place once)
         self._copied: list[int] = []  # user inputs copied into static buffers by this recording
         self._in_place: list[tuple[int, tuple]] = []  # (user input, the address and strides the graph reads)
         self._graph = None

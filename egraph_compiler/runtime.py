@@ -81,7 +81,11 @@ class Executable:
             computed = [i for i in self._lent if self.graph.outputs[i].op != "const"
                         and not self._constant(self.graph.outputs[i])]  # (constants are never rewritten)
             lend = (lambda env: [self._tensor(self.graph.outputs[i], env) for i in computed]) if self._lent else None
-            self.graphed = GraphedRunner(self._run, user, lend=lend, recorder=recorder, any_strides=self._any_strides)
+            # a backward's incoming gradients (AOTAutograd's `tangents_*`) are fresh tensors per step:
+            # copied in per replay from the start, never bet on to stay put
+            fresh = frozenset(id(n) for n in self.graph.inputs if n.attr("name").startswith("tangents_"))
+            self.graphed = GraphedRunner(self._recorded_run(), user, lend=lend, recorder=recorder,
+                                         any_strides=self._any_strides, fresh=fresh)
             if any(k.output.group == "collective" for k in plan.kernels):
                 self.graphed.disabled = "the program has collectives, which are not recorded into CUDA graphs"
 
@@ -151,6 +155,28 @@ class Executable:
             steps.memo = {}
             return wrapper(env)
         return run
+
+    def _recorded_run(self):
+        """The run a CUDA graph records: the wrapper, then the outputs that are views torch
+        can only give as copies (a `repeat_interleave`, a reshape of a transpose), so those
+        copies are the graph's own buffers too.  Evaluated after a replay instead, each would
+        be a launch outside the graph and a fresh tensor per call, at a new address whenever
+        other work ran in between: a training forward's saved [B, H, S, D] keys repeated per
+        head made the backward's graph record again."""
+        layouts = list({id(n): n for n in self.graph.outputs if n.group == "layout"}.values())
+        if not layouts:
+            return self._run
+        run, steps = self._run, self.steps
+
+        def recorded(env):
+            env = run(env)
+            for node in layouts:
+                value = steps.tensor(node, env)
+                source = env.get(id(view_source(node)))
+                if source is None or value.untyped_storage().data_ptr() != source.untyped_storage().data_ptr():
+                    env[id(node)] = value  # (a true view stays a view, made again from the env)
+            return env
+        return recorded
 
     def torch_step(self, kernel, contiguous: bool = True):
         """A library call or ATen fallback as a function of the kernel's inputs.

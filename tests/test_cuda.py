@@ -10,7 +10,7 @@ import egraph_compiler as egc
 from programs import check, failure_message, programs
 from test_differential import fuzz_settings
 from test_dtypes import BIG, INTEGER_ARITHMETIC
-from test_graphs_emulated import _assert_lent, _training_steps
+from test_graphs_emulated import _assert_lent, _records_once, _training_steps
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -216,6 +216,12 @@ def test_training_graphs_lend_saved_activations_and_gradients(accumulate, set_to
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
     _assert_lent(accumulate)
+
+
+def test_training_graphs_record_once_when_other_work_runs_between_steps():
+    """Keys repeated per head, saved by the forward, are the forward graph's own buffers; the incoming
+    gradient is copied in from the start: allocations between steps record nothing again."""
+    _records_once("cuda")
 
 
 def test_cuda_graphs_take_strided_inputs_in_place():

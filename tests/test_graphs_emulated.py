@@ -110,3 +110,53 @@ def test_strided_inputs_are_made_contiguous_inside_the_graph():
         flat = torch.randn(48 * 32)
         for a in (flat.view(48, 32).t(), flat.view(32, 48), flat.view(48, 32).t()):  # one address, two layouts
             torch.testing.assert_close(compiled(a), fn(a))
+
+
+class _GroupedAttention(torch.nn.Module):
+    """LLaMA's attention as `transformers` writes it: keys and values repeated per head by
+    expand + reshape (`repeat_kv`) before sdpa, which the forward then saves for backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.kv, self.o = torch.nn.Linear(32, 32), torch.nn.Linear(32, 32), torch.nn.Linear(32, 32)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, 4, 8).transpose(1, 2)
+        k, v = self.kv(x).view(b, s, 2, 2, 8).transpose(1, 3).unbind(1)  # [b, 2 kv heads, s, 8] each
+
+        def repeat_kv(t):
+            return t[:, :, None].expand(b, 2, 2, s, 8).reshape(b, 4, s, 8)
+        mask = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
+        out = torch.nn.functional.scaled_dot_product_attention(q, repeat_kv(k), repeat_kv(v), attn_mask=mask)
+        return self.o(out.transpose(1, 2).reshape(b, s, 32))
+
+
+def test_training_graphs_record_once_when_other_work_runs_between_steps():
+    """A saved activation torch can only give as a copy (keys repeated per head) is the forward
+    graph's own buffer, and the incoming gradient is copied in from the start: other tensors
+    allocated between steps (eager models timed beside this one) move neither into a new recording."""
+    _records_once("cpu")
+
+
+def _records_once(device: str) -> None:
+    torch.manual_seed(0)
+    model = _GroupedAttention().to(device)
+    reference = copy.deepcopy(model)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="egraph", mode="reduce-overhead")
+    opts = [torch.optim.SGD(m.parameters(), lr=1e-2) for m in (model, reference)]
+    held, x = [], torch.empty(2, 16, 32, device=device)
+    for step in range(8):
+        x.normal_()  # (a batch in a fresh tensor per step is copied in: it moves by design)
+        for fn, m, opt in ((compiled, model, opts[0]), (reference, reference, opts[1])):
+            opt.zero_grad(set_to_none=True)
+            fn(x).square().mean().backward()
+            opt.step()
+        held.append(torch.randn(1 + 37 * step, 5, device=device))  # the allocator's state differs at every step
+    for got, want in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-4)
+    forward, backward = (c._executable.graphed for c in egc.last_compiled()[-2:])
+    assert forward.recordings == 1 and forward.held_runs == 0
+    assert backward.recordings <= 2  # (the saved activations settle one call after the forward's graph)
+    assert backward.copied_inputs == 1  # the incoming gradient; every saved activation read in place
