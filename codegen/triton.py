@@ -131,12 +131,14 @@ class _Kernel:
         # qkv bias's gradient 79 -> 32 us on the H200).  A pointwise cat keeps the `where`: in pieces
         # the H200 took 27-28 us for a qkv cat that the `where` form does in 20 (BENCHMARKS.md)
         parts = pieces(k) if self.split <= 1 and not self.pointwise else [k]
-        shapes = [_Kernel(p, splittable=False) for p in parts] if len(parts) > 1 else []  # (pieces in one
-        # launch are never split: a piece that would split otherwise kept the whole kernel's `where`,
-        # whose loads read every operand and which did not split: GPT-2's qkv bias gradient over
-        # [B, S, H, D] gradients took 113 us per layer on the H200, unmeasured in pieces since)
-        if any(s.split > 1 or s.pointwise != self.pointwise or s.looped != self.looped for s in shapes):
-            parts, shapes = [k], []
+        shapes = [_Kernel(p, splittable=False) for p in parts] if len(parts) > 1 else []
+        shared = triton_split.split_pieces(k, parts) if splittable and shapes else None
+        if shared:  # a column sum over a cat: every piece split alike (triton_split.split_pieces)
+            for s in [self] + shapes:
+                s.split, s.chunk = shared
+                (s.xblock, s.rblock), s.looped, s.warps = triton_split.SPLIT_TILE, True, 4
+        elif any(s.split > 1 or s.pointwise != self.pointwise or s.looped != self.looped for s in shapes):
+            parts, shapes = [k], []  # (pieces of other shapes than the whole's: one body)
         self.pieces, self._piece_shapes = parts, shapes
         if self.pointwise and transposed_reads(k) and k.outer >= TILE and k.inner >= TILE:
             self.xblock, self.rblock = 2 * TILE, TILE  # reads along o, writes along r: both in runs
@@ -172,7 +174,8 @@ class _Kernel:
         k = self.k
         params = ", ".join([p.name for p in k.params] + ([ERROR_FLAG] if has_gather(k) else []))
         if self.split > 1:
-            return triton_split.render(self, params, self._outer_stores())
+            columns = [render_index(s.k.store_index, TABLE) for s in self._piece_shapes]
+            return triton_split.render(self, params, self._outer_stores(), columns)
         lines = ["@triton.jit", f"def {k.name}({params}, XBLOCK: tl.constexpr, RBLOCK: tl.constexpr):"]
         if len(self.pieces) == 1:
             return "\n".join(lines + self._body())

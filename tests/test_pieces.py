@@ -63,6 +63,8 @@ def test_kernels_over_a_cat(name, target):
         assert all("where" not in str(p) for p in split), [str(p) for p in split]
         if target == "triton" and kernel.reductions:  # (a pointwise cat keeps its `where` there)
             assert f"tl.program_id(2) == {expected - 1}" in compiled.source, compiled.source
+            # a column sum down many rows: the pieces split the rows too (triton_split.split_pieces)
+            assert ("_part(" in compiled.source) == (name == "column_sums_of_many_rows"), compiled.source
 
 
 def test_pieces_cover_the_domain_once():
@@ -113,7 +115,8 @@ def test_triton_pieces_compile_for_an_h200_without_a_gpu():
     pytest.importorskip("triton")
     from egraph_compiler.codegen.triton_build import compile_for_gpu
     modules = []
-    for name in ("column_sums", "row_sums_of_dim0_cat", "attention_grads_bias_sum", "attention_grads"):
+    for name in ("column_sums", "row_sums_of_dim0_cat", "attention_grads_bias_sum", "attention_grads",
+                 "column_sums_of_many_rows"):
         fn, makers, _ = CATS[name]
         compiled = egraph_compiler.compile(fn, [m() for m in makers], target="triton")
         assert ("tl.program_id(2) == 1" in compiled.source) == ("sum" in name), compiled.source
