@@ -243,6 +243,9 @@ CASES: list[OpCase] = [
       lambda g, ids: (torch.ops.aten.embedding_dense_backward(g, ids, 7, 2, True),
                       torch.ops.aten.embedding_dense_backward(g * 2, ids, 9, -1, False)),
       lambda: (randn(3, 4, 5), torch.randint(0, 7, (3, 4)))),
+    C("embedding_grad_many_repeats", "embedding_grad",  # summed by index_add_ in float32, padding row zeroed
+      lambda g, ids: torch.ops.aten.embedding_dense_backward(g, ids, 6, 1, False) + 1,
+      lambda: (randn(40, 3, 5), torch.randint(0, 6, (40, 3)))),
     # training's fused attention (flash.py's custom ops, as AOTAutograd's graphs hold them): the output
     # with its logsumexp, and the gradients from both; a mask that removes one query row entirely
     *[C(f"fused_attention_{name}{tail}", name + tail, fn, lambda: (randn(2, 4, 6, 8), randn(2, 2, 6, 8),
