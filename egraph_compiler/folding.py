@@ -23,7 +23,7 @@ from dataclasses import replace
 
 import torch
 
-from . import ops
+from . import masks, ops
 from .cost import itemsize
 from .graph import WEAK, Bound, Graph, Node, input_node, rebuild, topo_order
 from .steps import scalar_tensor, torch_dtype
@@ -57,6 +57,7 @@ def fold_constants(graph: Graph, device: torch.device | str = "cpu") -> Graph:
         while name in bound or any(i.attr("name") == name for i in graph.inputs):
             name += "_"
         bound[name] = Bound(None, name, _evaluate(node, values, device).contiguous())
+        masks.note(bound[name].value)  # (a decoder's causal mask: its kernels' causal form, masks.py)
         replacements[id(node)] = input_node(name, node.shape, node.dtype)
     folded = rebuild(graph, lambda node, args: replacements.get(id(node)))
     used = {id(n) for n in topo_order(folded.outputs)}

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch._prims_common import make_contiguous_strides_for
 
-from . import flash, library, ops
+from . import flash, library, masks, ops
 from .errors import CodegenError
 from .graph import WEAK, Node
 
@@ -156,9 +156,9 @@ class TorchSteps:
         if node.op in ("sdpa", "sdpa_mask", "softmax_attention"):  # (what a call decides, decided once)
             attention = library.attention([a.shape for a in node.args], attrs, self.device == "cuda")
             if node.op == "softmax_attention":  # sdpa, and NaN where the mask removes a whole row (once per run)
-                return lambda args: library.nan_rows(self._masked_rows(node, args[3], args[1].shape[-2]),
-                                                     attention(args))
-            return attention
+                def attention(args, masked=attention):
+                    return library.nan_rows(self._masked_rows(node, args[3], args[1].shape[-2]), masked(args))
+            return attention if node.op == "sdpa" else self._causal_or(node, attention)
         return lambda args: reference(args, attrs)
 
     def _linear(self, node: Node):
@@ -187,19 +187,34 @@ class TorchSteps:
             got = self.memo.get(key)
             if got is None:
                 mask = dead = None
+                past = causal  # (the program's own causal mask: the kernels' causal form, masks.py)
                 if masked:
                     prepared = self.memo.get(mask_key)
                     if prepared is None:
-                        q = args[1 if grad else 0]
-                        prepared = self.memo[mask_key] = flash.prepare(args[-1], q, args[2 if grad else 1].shape[2])
-                    mask, dead = prepared
+                        q, keys = args[1 if grad else 0], args[2 if grad else 1].shape[2]
+                        prepared = self.memo[mask_key] = (None, None, True) if masks.causal(
+                            args[-1], q.shape[2], keys) else (*flash.prepare(args[-1], q, keys), False)
+                    mask, dead, past = prepared[0], prepared[1], causal or prepared[2]
                 if grad:
-                    got = flash.backward(*args[:6], scale, causal, mask)
+                    got = flash.backward(*args[:6], scale, past, mask)
                 else:
-                    got = flash.forward(*args[:3], scale, causal, mask, dead)
+                    got = flash.forward(*args[:3], scale, past, mask, dead)
                 self.memo[key] = got
             return got[part] if part == 1 and not grad else got[part].transpose(1, 2)  # ([B, S, H, D])
         return run
+
+    def _causal(self, node: Node, mask) -> bool:
+        """Whether this run's mask of `node` is the program's own causal mask (masks.py), once per run."""
+        key = ("causal", id(node.args[3]))
+        known = self.memo.get(key)
+        if known is None:
+            known = self.memo[key] = masks.causal(mask, node.args[0].shape[-2], node.args[1].shape[-2])
+        return known
+
+    def _causal_or(self, node: Node, masked):
+        """sdpa over (q, k, v, mask): causal, unmasked, where the mask is the program's causal one."""
+        causal = library.attention([a.shape for a in node.args[:3]], {**node.a, "causal": True}, self.device == "cuda")
+        return lambda args: causal(args[:3]) if self._causal(node, args[3]) else masked(args)
 
     def _masked_attention(self, node: Node):
         """sdpa with a mask on CUDA: the mask converted once per run for the layers that share it
@@ -216,9 +231,12 @@ class TorchSteps:
         group_key = key + (groups, rows)
         prepared = library.attention([q_shape, k_shape, v_shape, m_shape], node.a, cuda=True)
         scale, nan = node.attr("scale"), node.op == "softmax_attention"
+        causal = library.attention([q_shape, k_shape, v_shape], {**node.a, "causal": True}, cuda=True)
 
         def run(args):
             memo = self.memo
+            if self._causal(node, args[3]):
+                return causal(args[:3])
             mask = memo.get(key)
             if mask is None:
                 mask = memo[key] = library.fused_kernel_mask(args[3], keys, args[0].dtype)

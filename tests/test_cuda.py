@@ -1,6 +1,8 @@
 """The CUDA target on a GPU (skipped where there is none, as on CI; run on the
 H200 through the device tool): forms the GPU soak found crashing, and random
 programs compiled for CUDA against eager and float64 on the CPU."""
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,6 +13,7 @@ from programs import check, failure_message, programs
 from test_differential import fuzz_settings
 from test_dtypes import BIG, INTEGER_ARITHMETIC
 from test_graphs_emulated import _assert_lent, _records_once, _training_steps
+from test_masks import _Decoder, spy_attention
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -370,3 +373,31 @@ def test_embedding_gradient_by_atomic_adds_matches_atens(dtype):
     got = library.embedding_grad((grad, ids), {"rows": 100, "padding_idx": 7, "scale": False})
     assert got.dtype == dtype and not got[7].any()
     torch.testing.assert_close(got.double(), want, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_programs_own_causal_mask_runs_causal_on_the_gpu(dtype, monkeypatch):
+    """masks.py on CUDA: inference's masked sdpa (steps._masked_attention) and training's fused
+    kernels both ways (cuDNN's in bf16), under CUDA graphs; against the float32 model in eager."""
+    calls = spy_attention(monkeypatch)
+    torch.manual_seed(0)
+    model = _Decoder("lowest").cuda().to(dtype)
+    exact = copy.deepcopy(model).float()
+    x = torch.randn(2, 64, 32, device="cuda", dtype=dtype)
+    tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=5e-2, atol=5e-2)
+    with torch.no_grad():
+        compiled = egc.compile(model.eval(), [x])
+        torch.testing.assert_close(compiled(x).float(), exact(x.float()), **tol)
+    assert calls and all(c[1:] == (True, False) for c in calls), calls
+    calls.clear()
+    torch._dynamo.reset()
+    trained = torch.compile(model.train(), backend="egraph", mode="reduce-overhead")
+    for _ in range(3):
+        for m, fn, inp in ((model, trained, x), (exact, exact, x.float())):
+            m.zero_grad(set_to_none=True)
+            fn(inp).float().square().mean().backward()
+    for (name, got), want in zip(model.named_parameters(), exact.parameters()):
+        scale = want.grad.abs().max().item()
+        torch.testing.assert_close(got.grad.float(), want.grad, rtol=tol["rtol"], atol=tol["atol"] * scale, msg=name)
+    fused = [c for c in calls if c[0] in ("forward", "backward")]
+    assert {c[0] for c in fused} == {"forward", "backward"} and all(c[1:] == (True, False) for c in fused), fused

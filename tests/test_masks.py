@@ -1,0 +1,115 @@
+"""Causal masks the program makes itself (masks.py): attention runs them as `is_causal`,
+in inference and in training's forward and backward; any other mask, and any mask
+the caller passes in, runs as a mask.  Every case is checked against eager."""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import egraph_compiler as egc
+from egraph_compiler import flash, library, masks
+
+
+def _positions_mask(s: int, kind: str, device="cpu", dtype=torch.float32):
+    """A mask built from positions, as `transformers` builds a decoder's (folded at compile time)."""
+    i = torch.arange(s, device=device)
+    keep = i[None, :] <= i[:, None]
+    if kind == "window":  # a sliding window: not causal
+        keep = keep & (i[None, :] > i[:, None] - 3)
+    if kind == "shifted":  # one key short of causal on the diagonal
+        keep = i[None, :] < i[:, None]
+        keep[0, 0] = True
+    if kind == "bool" or kind in ("window", "shifted"):
+        return keep[None, None]
+    fill = torch.finfo(dtype).min if kind == "lowest" else float("-inf")
+    return torch.zeros(s, s, device=device, dtype=dtype).masked_fill(~keep, fill)[None, None]
+
+
+class _Decoder(torch.nn.Module):
+    def __init__(self, kind: str, width: int = 32, heads: int = 4):
+        super().__init__()
+        self.kind, self.heads = kind, heads
+        self.qkv, self.out = torch.nn.Linear(width, 3 * width), torch.nn.Linear(width, width)
+
+    def forward(self, x):
+        b, s, w = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, w // self.heads).permute(2, 0, 3, 1, 4)
+        mask = _positions_mask(s, self.kind, x.device, x.dtype)
+        return self.out(F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(b, s, w))
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    return spy_attention(monkeypatch)
+
+
+def spy_attention(monkeypatch) -> list:
+    """(kind, is_causal, masked) of every attention call made: library.attention's, flash's forward
+    and backward."""
+    seen = []
+    made = library.attention
+
+    def attention(shapes, a, cuda):
+        run = made(shapes, a, cuda)
+        return lambda t: (seen.append(("sdpa", a["causal"], len(t) > 3)), run(t))[1]
+    monkeypatch.setattr(library, "attention", attention)
+    for name in ("forward", "backward"):
+        fn = getattr(flash, name)
+
+        def spy(*args, fn=fn, name=name):
+            seen.append((name, args[-3 if name == "forward" else -2], args[-2 if name == "forward" else -1] is not None))
+            return fn(*args)
+        monkeypatch.setattr(flash, name, spy)
+    return seen
+
+
+@pytest.mark.parametrize("kind, causal", [("bool", True), ("inf", True), ("lowest", True), ("window", False),
+                                          ("shifted", False)])
+def test_inference_runs_the_programs_causal_mask_as_causal(kind, causal, calls):
+    model = _Decoder(kind).eval()
+    x = torch.randn(2, 9, 32)
+    with torch.no_grad():
+        compiled = egc.compile(model, [x])
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-5)
+    assert calls and all(c == ("sdpa", causal, not causal) for c in calls), calls
+
+
+def test_a_causal_mask_the_caller_passes_stays_a_mask(calls):
+    """Its values could change between calls: only the program's own constants are trusted."""
+    def fn(q, k, v, mask):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    q, k, v = (torch.randn(2, 4, 9, 8) for _ in range(3))
+    mask = _positions_mask(9, "bool")
+    compiled = egc.compile(fn, [q, k, v, mask])
+    torch.testing.assert_close(compiled(q, k, v, mask), fn(q, k, v, mask))
+    mask = ~mask  # the same shapes, other values: still right
+    mask[..., 0] = True
+    torch.testing.assert_close(compiled(q, k, v, mask), fn(q, k, v, mask))
+    assert calls and all(masked and not causal for _, causal, masked in calls), calls
+
+
+@pytest.mark.parametrize("kind, causal", [("bool", True), ("lowest", True), ("window", False)])
+def test_training_runs_the_forwards_causal_mask_as_causal_both_ways(kind, causal, calls):
+    """The backward gets the forward's folded mask as a saved activation, the very constant: causal too."""
+    torch.manual_seed(0)
+    model = _Decoder(kind)
+    reference = copy.deepcopy(model)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="egraph")
+    x = torch.randn(2, 9, 32)
+    for m, fn in ((model, compiled), (reference, reference)):
+        fn(x).square().mean().backward()
+    for (name, got), want in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-4, atol=1e-5, msg=name)
+    fused = [c for c in calls if c[0] in ("forward", "backward")]
+    assert {c[0] for c in fused} == {"forward", "backward"}, calls
+    assert all(c[1:] == (causal, not causal) for c in fused), fused
+
+
+def test_only_masks_of_the_programs_own_are_noted():
+    value = _positions_mask(5, "bool")
+    assert not masks.causal(value, 5, 5)  # never folded: a caller's tensor
+    masks.note(value)
+    assert masks.causal(value, 5, 5) and masks.causal(value.expand(3, 2, 5, 5), 5, 5)
+    assert not masks.causal(value, 5, 6) and not masks.causal(value.transpose(-1, -2), 5, 5)
