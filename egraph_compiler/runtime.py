@@ -71,6 +71,8 @@ class Executable:
         self._bound_specs = [(n, id(n), bound[n.attr("name")]) for n in self.graph.inputs if n.attr("name") in bound]
         self.graphed = None
         self._kinds = [self._output_kind(o) for o in self.graph.outputs]
+        self._reads = [(id(o), self.steps.getter(o)) for o in self.graph.outputs]  # (each output from the env)
+        self._flat = _flat_sequence(self.graph.results)
         self._lent = self._lendable(lend_outputs)
         # a training forward's saved activations: without a graph, handed over as they are (a view
         # of a buffer of this call's with eager's strides, as q, k and v of a qkv buffer), never cloned
@@ -197,6 +199,9 @@ class Executable:
         """The user's result structure: dicts, lists, nested tuples, non-tensors passed through."""
         if self.graph.results is None:
             return results[0] if len(results) == 1 else results
+        if self._flat is not None:  # (a flat tuple or list of results: AOTAutograd's graphs, most programs)
+            sequence, leaves = self._flat
+            return sequence(leaf.value if isinstance(leaf, Literal) else results[leaf] for leaf in leaves)
         spec, leaves = self.graph.results
         return pytree.tree_unflatten([leaf.value if isinstance(leaf, Literal) else results[leaf]
                                       for leaf in leaves], spec)
@@ -277,7 +282,10 @@ class Executable:
     def _result(self, i: int, env, copy: bool = False, lend: bool = False) -> torch.Tensor:
         """Output `i` as the caller gets it: `copy` when env's tensors are a CUDA graph's own,
         unless it is lent (`lend`: the graph's own buffer, in a tensor of the caller's)."""
-        value = self._tensor(self.graph.outputs[i], env)
+        key, read = self._reads[i]
+        value = env.get(key)
+        if value is None:
+            value = read(env)
         if lend:
             return value.detach()  # (a strided view of the graph's buffer too: backward reads it in place)
         kind, source = self._kinds[i]
@@ -295,6 +303,17 @@ class Executable:
         the strides eager gives it (eager's contiguous results stay contiguous: `.view` works)."""
         strides = self.graph.output_strides.get(i)
         return strides is not None and value.stride() == strides and _whole_buffer(value)
+
+
+def _flat_sequence(results) -> tuple | None:
+    """(tuple or list, its leaves: result indices or Literals) for a result structure that is one
+    flat sequence, which a call then builds without walking the structure; else None."""
+    if results is None:
+        return None
+    spec, leaves = results
+    if spec.type not in (tuple, list) or not all(c.is_leaf() for c in spec.children()):
+        return None
+    return spec.type, tuple(leaves)
 
 
 def _whole_buffer(value: torch.Tensor) -> bool:

@@ -82,7 +82,13 @@ def training_backend(gm: torch.fx.GraphModule, example_inputs, compile_graph):
                            for x in inputs)
         if shapes_known and all(isinstance(x, torch.Tensor) for x in inputs):
             with unset_fake_temporarily():  # compiled now, for inputs shaped like AOTAutograd's fake ones
-                run.compile([_real(x) for x in inputs])
+                program, slots = run.compile([_real(x) for x in inputs])
+            if not run.scalars and len(slots) == len(inputs):  # one size (AOTAutograd's runtime checks
+                def static(*args):  # what its graphs were traced for): no size key per call
+                    out = program(*args)
+                    return out if isinstance(out, tuple) else (out,)
+                static.compiled = program
+                return make_boxed_func(static)
         return make_boxed_func(run)
 
     table = get_decompositions(DECOMPOSED) | {aten.scaled_dot_product_attention.default: _sdpa_math}
