@@ -18,15 +18,18 @@ lowest): each such score's weight exp(s - 65504 - max) is 0 in float32.
 """
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 
 import torch
 
-LIMIT = 256  # constants kept (each a small mask); more evict the oldest
+LIMIT = 256  # constants noted; more forget the oldest
 LOWEST = -65504.0
 
-_NOTED: OrderedDict[int, torch.Tensor] = OrderedDict()  # storage address -> the constant (kept alive:
-_SEEN: dict[tuple, bool] = {}  # (the view) -> causal           the address is never another tensor's)
+# storage address -> the constant, weakly: once its program lets it go, the address may become
+# another tensor's, and a dead reference trusts nothing there
+_NOTED: OrderedDict[int, weakref.ref] = OrderedDict()
+_SEEN: dict[tuple, bool] = {}  # (address, shape, strides, offset, dtype of a view) -> causal
 
 
 def note(value: torch.Tensor) -> None:
@@ -34,11 +37,17 @@ def note(value: torch.Tensor) -> None:
     if not (isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[-1] == value.shape[-2] > 0
             and (value.dtype == torch.bool or value.dtype.is_floating_point)):
         return
-    _NOTED[value.untyped_storage().data_ptr()] = value
+    address = value.untyped_storage().data_ptr()
+    _forget(address)  # (what was decided for an earlier tensor at this address)
+    _NOTED[address] = weakref.ref(value)
     while len(_NOTED) > LIMIT:
-        address, _ = _NOTED.popitem(last=False)
-        for key in [k for k in _SEEN if k[0] == address]:
-            del _SEEN[key]
+        _forget(next(iter(_NOTED)))
+
+
+def _forget(address: int) -> None:
+    _NOTED.pop(address, None)
+    for key in [k for k in _SEEN if k[0] == address]:
+        del _SEEN[key]
 
 
 def causal(mask: torch.Tensor | None, queries: int, keys: int) -> bool:
@@ -48,7 +57,8 @@ def causal(mask: torch.Tensor | None, queries: int, keys: int) -> bool:
     if mask is None or queries != keys or mask.dim() < 2 or tuple(mask.shape[-2:]) != (queries, keys):
         return False
     address = mask.untyped_storage().data_ptr()
-    if address not in _NOTED:
+    noted = _NOTED.get(address)
+    if noted is None or noted() is None:
         return False
     key = (address, tuple(mask.shape), mask.stride(), mask.storage_offset(), mask.dtype)
     known = _SEEN.get(key)

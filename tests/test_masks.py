@@ -113,3 +113,13 @@ def test_only_masks_of_the_programs_own_are_noted():
     masks.note(value)
     assert masks.causal(value, 5, 5) and masks.causal(value.expand(3, 2, 5, 5), 5, 5)
     assert not masks.causal(value, 5, 6) and not masks.causal(value.transpose(-1, -2), 5, 5)
+
+
+def test_a_constant_its_program_let_go_is_trusted_no_more():
+    """Noted weakly: once the constant is gone its address may become another tensor's."""
+    value = _positions_mask(6, "bool").clone()
+    masks.note(value)
+    view = value.detach()  # (keeps the storage, not the noted tensor: as a lent constant)
+    assert masks.causal(view, 6, 6)
+    del value
+    assert not masks.causal(view, 6, 6)
