@@ -34,9 +34,12 @@ def share_results(plan: Plan, profile: DeviceProfile) -> Plan:
                   if seen_in.get(id(n), 0) >= 2 and id(n) not in produced and n.group == "pointwise"]
     for value in candidates:
         users = [k for k in generated if any(n is value for n in k.ops) and k.output is not value]
-        if len(users) < 2 or not _storable(users[0], value):
+        # the first user that can store it (a norm's statistics, reductions before its pointwise
+        # kernel, cannot: they keep computing it), and the users after it (plan order is run order)
+        at = next((i for i, k in enumerate(users) if _storable(k, value)), len(users))
+        first, later = (users[at], users[at + 1:]) if at < len(users) else (None, [])
+        if not later:
             continue
-        first, later = users[0], users[1:]
         bodies = [kernel_body(k.output, k.stored | {id(value)}) for k in later]
         saved = sum(_bytes(k.inputs) - _bytes(inputs) for k, (_, inputs) in zip(later, bodies))
         if saved <= _bytes([value]):  # the store costs one write of the value

@@ -120,3 +120,28 @@ def test_a_repeated_layers_kernels_are_compiled_once(target):
     torch.testing.assert_close(compiled(*args), residual_stream(*args), atol=1e-5, rtol=1e-5)
     other = inputs()[:1] + args[1:]
     torch.testing.assert_close(compiled(*other), residual_stream(*other), atol=1e-5, rtol=1e-5)
+
+
+
+def test_gpt2s_training_forward_stores_its_stream_after_the_first_norms_statistics():
+    """A training forward decomposes layer_norm (its mean and rstd are saved for backward), so the
+    first readers of the stream are the statistics' reductions, which cannot store it (their outputs
+    are per row); the first reader that can (the norm's pointwise kernel) stores it, and every later
+    norm reads it instead of gathering both embeddings again (15 such kernels of 4 layers before)."""
+    tf = pytest.importorskip("transformers")
+    import copy
+    torch.manual_seed(0)
+    model = tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=4, n_embd=64, n_head=4, vocab_size=128, n_positions=16,
+                                             use_cache=False, attn_pdrop=0.0, embd_pdrop=0.0, resid_pdrop=0.0))
+    reference = copy.deepcopy(model)
+    ids = torch.randint(0, 128, (2, 16))
+    torch._dynamo.reset()
+    egc.last_plans(clear=True)
+    torch.compile(model, backend="egraph")(ids).logits.square().mean().backward()
+    forward = egc.last_plans()[0]
+    gathering = [k.name for k in forward.kernels if k.kind == "generated" and
+                 sum(n.op == "embedding" for n in k.ops) >= 2]
+    assert len(gathering) <= 3, str(forward)
+    reference(ids).logits.square().mean().backward()
+    for (name, got), want in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-4, atol=1e-5, msg=name)
