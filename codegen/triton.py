@@ -8,7 +8,8 @@ fits (persistent: each reduction is one `tl.sum`/`tl.max`, and the stashed
 body is a value reused by the store, so the input is read once); longer rows
 loop over RBLOCK chunks.  Arithmetic runs in float32; half-precision buffers
 are widened when loaded and rounded when stored.  This module and its siblings
-(triton_load.py: loading; triton_launch.py: launches; triton_tune.py: launch configurations; triton_build.py:
+(triton_load.py: loading; triton_launch.py: launches; triton_tune.py: launch configurations;
+triton_staged.py: long rows looped over on one program per SM; triton_build.py:
 ahead-of-time compiles; triton_cache.py, which Triton loads as its cache manager) are the
 only code that imports triton; CPU tensors run under the Triton interpreter
 (TRITON_INTERPRET=1).
@@ -24,7 +25,7 @@ from egraph_compiler.loopir import (ERROR_FLAG, STASH, Acc, Affine, Load, LoopKe
                                     substitute, transposed_reads, variables)
 from egraph_compiler.pieces import pieces
 
-from . import triton_split
+from . import triton_split, triton_staged
 from .triton_load import SIZED
 from .walker import Target, render_expr, render_index
 
@@ -79,6 +80,21 @@ def _egc_pow(a, b):
 
 
 @triton.jit
+def _egc_nanmax(a, b):  # a row max's combine: a NaN anywhere in the row wins, as torch's max
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _egc_add2(a, b, c, d):  # two sums in one reduction (a tuple's combine)
+    return a + c, b + d
+
+
+@triton.jit
+def _egc_add3(a, b, c, d, e, f):
+    return a + d, b + e, c + f
+
+
+@triton.jit
 def _egc_row(i, rows, err):  # a gather's row: one out of range is never read, and is reported
     bad = (i < 0) | (i >= rows)
     tl.device_assert(bad == 0, "index out of range in embedding")  # on a GPU (the kernel runs with debug)
@@ -120,8 +136,8 @@ class _Kernel:
             self.rblock = LOOP_BLOCK if self.looped else _pow2(k.inner)
             self.xblock = max(1, min(2048 // self.rblock, _pow2(k.outer), 64))
         self.warps = 8 if self.rblock * self.xblock >= 4096 else 4
-        if self.rblock >= 8192:
-            self.warps = 16
+        if self.rblock >= 8192:  # (generated rows on the H200, BENCHMARKS.md: 16k rows 77-82% with 32)
+            self.warps = 16 if self.rblock < 16384 else 32
         self.split, self.chunk = triton_split.split_rows(k) if splittable else (1, k.inner)
         if self.split > 1:  # a column reduction over many rows: partial sums, then their sum (triton_split.py)
             self.xblock, self.rblock = triton_split.SPLIT_TILE
@@ -142,6 +158,8 @@ class _Kernel:
         self.pieces, self._piece_shapes = parts, shapes
         if self.pointwise and transposed_reads(k) and k.outer >= TILE and k.inner >= TILE:
             self.xblock, self.rblock = 2 * TILE, TILE  # reads along o, writes along r: both in runs
+        self.staged = (not self.pointwise and not self.looped and self.split <= 1 and len(self.pieces) == 1
+                       and triton_staged.stages(k, self.rblock))
 
     def stores(self):
         k = self.k
@@ -152,6 +170,8 @@ class _Kernel:
             return (max(-(-p.outer // self.xblock) for p in self.pieces),
                     max(-(-p.inner // self.rblock) for p in self.pieces) if self.pointwise else 1, len(self.pieces))
         outer = -(-self.k.outer // self.xblock)
+        if self.staged:
+            return (max(1, min(outer, triton_staged.programs())),)
         return (outer, -(-self.k.inner // self.rblock)) if self.pointwise else (outer,)
 
     def load(self, e: Load) -> str:
@@ -177,6 +197,8 @@ class _Kernel:
             columns = [render_index(s.k.store_index, TABLE) for s in self._piece_shapes]
             return triton_split.render(self, params, self._outer_stores(), columns)
         lines = ["@triton.jit", f"def {k.name}({params}, XBLOCK: tl.constexpr, RBLOCK: tl.constexpr):"]
+        if self.staged:  # rows in turn, the next ones' loads staged in shared memory (triton_staged.py)
+            return "\n".join(lines + triton_staged.loop(k, self._body()))
         if len(self.pieces) == 1:
             return "\n".join(lines + self._body())
         for i, shape in enumerate(self._piece_shapes):  # (blocks past a piece's extent are masked off whole)
@@ -190,9 +212,12 @@ class _Kernel:
             lines += self._columns("tl.program_id(1) * RBLOCK", "    ")
             return lines + self._inner_stores("    ")
         if not self.looped:
-            lines += self._columns("0", "    ")
+            lines += self._columns("0", "    ", even=0 < k.inner == self.rblock)
         for group in self._passes():
-            lines += self._looped_sums(group) if len(group) > 1 else self._reduction(*group[0])
+            if len(group) == 1:
+                lines += self._reduction(*group[0])
+            else:
+                lines += self._looped_sums(group) if self.looped else self._sums(group)
         stores = self.stores()
         if any(s[3] for s in stores):
             if self.looped:
@@ -213,8 +238,14 @@ class _Kernel:
         finally:
             self._outer = False
 
-    def _columns(self, start: str, pad: str) -> list[str]:
-        return [f"{pad}r = {start} + tl.arange(0, RBLOCK)[None, :]", f"{pad}rmask = r < {self.k.inner}",
+    def _columns(self, start: str, pad: str, even: bool = False) -> list[str]:
+        """The row's columns and masks.  `even`: a row kept in registers fills its block exactly, so the
+        mask along it is `r < RBLOCK`, which Triton folds away, as it folds `r < 8192` of a literal
+        build; in a template (codegen/sizes.py) `r < egc_s0` stays a mask on every element (softmax on
+        the H200: 16k rows 52-68% of the copy bandwidth -> 92-93%).  A template serves only programs
+        rendered alike, so rows of another length than their block keep their literal mask."""
+        bound = "RBLOCK" if even else self.k.inner
+        return [f"{pad}r = {start} + tl.arange(0, RBLOCK)[None, :]", f"{pad}rmask = r < {bound}",
                 f"{pad}mask = omask & rmask"]
 
     def _passes(self) -> list[list]:
@@ -223,7 +254,7 @@ class _Kernel:
         of squares: three passes over a long row, then the store's, instead of four)."""
         groups: list[list] = []
         for i, red in enumerate(self.k.reductions):
-            joins = (self.looped and groups and red.combiner == "sum" and red.dtype == "float32"
+            joins = (groups and red.combiner == "sum" and red.dtype == "float32" and (self.looped or len(groups[-1]) < 3)
                      and all(r.combiner == "sum" and r.dtype == "float32" and not contains(red.body, Acc(r.acc))
                              for _, r in groups[-1]))
             if joins:
@@ -231,6 +262,20 @@ class _Kernel:
             else:
                 groups.append([(i, red)])
         return groups
+
+    def _sums(self, group) -> list[str]:
+        """Independent float32 sums over a row kept in registers, as one reduction of a tuple: one
+        tree (each sum's own, as tl.sum's) and its barriers shared (layer_norm's centred sum and sum
+        of squares: +4 points of the copy bandwidth at 16k and 32k on the H200, BENCHMARKS.md)."""
+        last = len(self.k.reductions) - 1
+        values = []
+        lines = []
+        for i, red in group:
+            name = "stash" if self.k.stash_last and i == last else f"{red.acc}_v"
+            lines.append(f"    {name} = {self.expr(red.body)}")
+            values.append(f"tl.where(mask, {name}, 0.0)")
+        accs = ", ".join(red.acc for _, red in group)
+        return lines + [f"    {accs} = tl.reduce(({', '.join(values)}), 1, _egc_add{len(group)}, keep_dims=True)"]
 
     def _looped_sums(self, group) -> list[str]:
         """float32 sums over a long row, accumulated together in one loop over its chunks."""
@@ -282,9 +327,9 @@ class _Kernel:
     def _combine(acc, v, is_max, identity, pad) -> list[str]:
         if not is_max:
             return [f"{pad}{acc} = tl.sum(tl.where(mask, {v}, 0.0), axis=1, keep_dims=True)"]
-        return [f"{pad}{acc} = tl.max(tl.where(mask, {v}, -INF), axis=1, keep_dims=True)",
-                f"{pad}{acc} = tl.where(tl.max(tl.where(mask, ({v} != {v}).to(tl.int32), 0), axis=1, keep_dims=True) "
-                f"> 0, INF - INF, {acc})"]  # (a where, not `mask & ...`: the value may be one loaded scalar)
+        # one reduction whose max keeps a NaN (tl.max drops them), not a max and a NaN flag's max:
+        # softmax's 16k and 32k rows +3-5 points of the copy bandwidth on the H200 (BENCHMARKS.md)
+        return [f"{pad}{acc} = tl.reduce(tl.where(mask, {v}, -INF), 1, _egc_nanmax, keep_dims=True)"]
 
     def _inner_stores(self, pad: str) -> list[str]:
         lines = []

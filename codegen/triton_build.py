@@ -60,6 +60,9 @@ SIGNATURE = {"float32": "*fp32", "float16": "*fp16", "bfloat16": "*bf16", "bool"
              "int32": "*i32"}
 
 
+SHARED_LIMIT = 232448  # bytes of shared memory one block may use on sm_90 (227 KB)
+
+
 def compile_for_gpu(modules: list[tuple[str, list[LoopKernel]]], arch: int = 90, candidates: bool = False) -> None:
     """Compile every kernel of rendered modules, (source, loop kernels) pairs,
     for an NVIDIA GPU of this compute capability, down to a cubin, on any
@@ -81,7 +84,7 @@ def compile_for_gpu(modules: list[tuple[str, list[LoopKernel]]], arch: int = 90,
                   for name, params in kernel_functions(k, shape, sized)
                   if f"def {k.name}(" in source]  # (a repeated kernel runs another's code: walker.unique_kernels)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", _GPU_COMPILE, json.dumps(specs), str(arch)],
+    done = subprocess.run([sys.executable, "-c", f"SHARED_LIMIT = {SHARED_LIMIT}\n" + _GPU_COMPILE, json.dumps(specs), str(arch)],
                           env=env, capture_output=True, text=True)
     if done.returncode:
         raise CodegenError(f"Triton refuses a kernel for sm_{arch}:\n{done.stderr[-3000:]}")
@@ -102,7 +105,9 @@ for path, name, signature, options in specs:
     src = triton.compiler.ASTSource(fn=getattr(modules[path], name), signature=signature | {
         "XBLOCK": "constexpr", "RBLOCK": "constexpr"}, constexprs={"XBLOCK": xblock, "RBLOCK": rblock})
     try:
-        triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+        kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
     except Exception as exc:
         sys.exit(f"{path}: {name}: {exc}")
+    if kernel.metadata.shared > SHARED_LIMIT:  # (the launch would fail with OutOfResources)
+        sys.exit(f"{path}: {name}: {kernel.metadata.shared} bytes of shared memory, over sm_{arch}'s {SHARED_LIMIT}")
 """

@@ -332,6 +332,25 @@ def test_layer_norm_moments_are_stable_on_the_gpu(dtype, autotune):
         assert (got - want).abs().max() <= 2 * (reference - want).abs().max() + ulp, (rows, length)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_rows_staged_and_templated_match_eager_on_the_gpu(dtype):
+    """softmax over rows of 8k to 32k (bf16 32k: the staged loop over rows, one program per SM;
+    from the second length a template whose power-of-two rows keep no mask) and rows of other
+    lengths, with a NaN row, a row of -inf and one far from 0: each length right, twice."""
+    softmax = lambda x: torch.softmax(x * 2, -1)  # noqa: E731
+    staged = []
+    for rows, length in ((300, 32768), (200, 8192), (7, 16384), (300, 32768), (5, 20000), (5, 30000)):
+        x = torch.randn(rows, length, device="cuda").to(dtype)
+        x[1, 7] = float("nan")
+        x[2] = float("-inf")
+        x[3] += 1000
+        compiled = egc.compile(softmax, [x])
+        for _ in range(2):
+            torch.testing.assert_close(compiled(x).float(), softmax(x).float(), atol=1e-7, rtol=2e-2, equal_nan=True)
+        staged.append("num_stages=" in compiled.source)
+    assert staged == [dtype == torch.bfloat16, False, False, dtype == torch.bfloat16, False, False], staged
+
+
 def test_template_kernels_serve_sizes_of_every_specialisation_class():
     """Sizes as arguments (codegen/sizes.py) on the GPU: after the second row count the kernels
     take sizes as ints, which Triton specialises (1, divisible by 16, otherwise); each class

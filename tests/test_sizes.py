@@ -165,6 +165,25 @@ def test_triton_later_sizes_run_the_template_module():
     compile_for_gpu([(template.source, template.loop_kernels)])
 
 
+def test_triton_rows_that_fill_their_block_keep_no_mask_in_a_template():
+    """softmax over row lengths that are powers of two: the template (the row length an argument)
+    masks its columns by `r < RBLOCK`, which Triton folds away, not by `r < egc_s0`; lengths that
+    are not powers of two render another form, whose template keeps the literal mask.  Each
+    matches eager, NaN rows included (the row max keeps a NaN)."""
+    softmax = lambda x: torch.softmax(x, -1) * 2  # noqa: E731
+    built = {}
+    for length in (64, 128, 256, 48, 80, 112):
+        x = torch.randn(5, length)
+        x[1, 3] = float("nan")
+        compiled = egc.compile(softmax, [x], target="triton")
+        torch.testing.assert_close(compiled(x), softmax(x), equal_nan=True)
+        built[length] = compiled
+    even, odd = built[256], built[112]
+    assert even.sizes and odd.sizes, (even.sizes, odd.sizes)
+    assert "rmask = r < RBLOCK" in even.source and "r < egc_s" not in even.source, even.source
+    assert "rmask = r < egc_s" in odd.source, odd.source
+
+
 @pytest.mark.parametrize("line", ["    s = tl.arange(0, {n})[None, :]", "    v = tl.full([{n}], 0.0, tl.float32)",
                                   "    a = tl.sum(v, axis={n})", "    p = tl.program_id({n})"])
 def test_a_size_where_triton_needs_a_constant_is_never_an_argument(line):

@@ -161,3 +161,39 @@ def test_split_column_sums_compile_for_an_h200_without_a_gpu():
             assert "_part(" in compiled.source
             modules.append((compiled.source, compiled.loop_kernels))
     compile_for_gpu(modules)
+
+
+def test_long_half_precision_rows_loop_with_staged_loads():
+    """A bf16 row of 32k read from one input (softmax) loops over rows on a grid of one program per
+    SM (4 under the interpreter: 6 rows, so programs take two), its next rows' loads staged in shared
+    memory; float32 rows of that length (twice the shared memory) and layer_norm's (three inputs
+    along the row) keep one row per program.  The staged kernel fits sm_90's shared memory."""
+    from egraph_compiler.codegen.triton_build import compile_for_gpu
+    torch.manual_seed(0)
+    x = (torch.randn(6, 32768) * 4).bfloat16()
+    softmax = lambda x: torch.softmax(x, -1)  # noqa: E731
+    compiled = egc.compile(softmax, [x], target="triton")
+    assert "num_stages=3" in compiled.source, compiled.source
+    torch.testing.assert_close(compiled(x).float(), softmax(x).float(), atol=1e-3, rtol=2e-2)
+    compile_for_gpu([(compiled.source, compiled.loop_kernels)])
+    assert "num_stages" not in egc.compile(softmax, [x.float()], target="triton").source
+    w, b = torch.randn(32768).bfloat16(), torch.randn(32768).bfloat16()
+    ln = lambda x, w, b: F.layer_norm(x, (32768,), w, b)  # noqa: E731
+    assert "num_stages" not in egc.compile(ln, [x, w, b], target="triton").source
+
+
+def test_a_rows_independent_sums_are_one_reduction():
+    """layer_norm's centred sum and sum of squares, on a row kept in registers, reduce as one
+    tuple (one tree, the same order as two tl.sum); a constant row far from 0 stays exactly
+    centred, and a row far from 0 no further off float64 than eager."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 1000) + torch.tensor([[0.0], [500.0], [-800.0]])
+    x[0] = 7.3
+    w, b = torch.randn(1000), torch.randn(1000)
+    fn = lambda x, w, b: F.layer_norm(x, (1000,), w, b)  # noqa: E731
+    compiled = egc.compile(fn, [x, w, b], target="triton")
+    assert "tl.reduce((" in compiled.source and "_egc_add2" in compiled.source, compiled.source
+    got = compiled(x, w, b)
+    assert torch.equal(got[0], b), (got[0] - b).abs().max()
+    want = fn(*(t.double() for t in (x, w, b)))
+    assert (got.double() - want).abs().max() <= 2 * (fn(x, w, b).double() - want).abs().max() + 1e-6
