@@ -7,6 +7,8 @@ torch on views of the same buffers.  Buffers live on the target's device.
 """
 from __future__ import annotations
 
+import functools
+
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -70,6 +72,7 @@ class Executable:
                        if n.attr("name") not in bound]
         self._bound_specs = [(n, id(n), bound[n.attr("name")]) for n in self.graph.inputs if n.attr("name") in bound]
         self.graphed = None
+        self._replay_actions: dict[bool, list] = {}  # per lending state, each output's (key, read, action)
         self._kinds = [self._output_kind(o) for o in self.graph.outputs]
         self._reads = [(id(o), self.steps.getter(o)) for o in self.graph.outputs]  # (each output from the env)
         self._flat = _flat_sequence(self.graph.results)
@@ -94,10 +97,11 @@ class Executable:
     @torch.no_grad()  # compiled programs are inference-only: no autograd graph is recorded
     def __call__(self, *args):
         env, owned = self.graphed(self._bind(args)) if self.graphed else (self._run(self._bind(args)), False)
-        lent = self._lent if owned and self.graphed.lending else ()
-        saved = () if owned else self._saved
-        results = tuple(self._result(i, env, copy=owned, lend=i in lent or i in saved)
-                        for i in range(len(self.graph.outputs)))
+        if owned:
+            results = self._replayed(env)
+        else:
+            saved = self._saved
+            results = tuple(self._result(i, env, lend=i in saved) for i in range(len(self.graph.outputs)))
         self._write_back(args, results)
         return self._structure(results[:self.graph.user_outputs])
 
@@ -297,6 +301,34 @@ class Executable:
             return value.clone(memory_format=torch.contiguous_format)  # never alias the caller's tensors
         return value  # (a transpose of a buffer of ours as it is, with eager's strides: a training
         # forward's saved activation, which backward reads in place)
+
+    def _replayed(self, env) -> tuple:
+        """The outputs of a CUDA graph's replay, as `_result(copy=True)` gives them (lent ones the
+        graph's buffers, detached; the rest copied), by actions made once per lending state: the
+        host path of a graphed training step, ~40 outputs a call."""
+        lending = self.graphed.lending
+        actions = self._replay_actions.get(lending)
+        if actions is None:
+            actions = self._replay_actions[lending] = [self._replay_action(i, lending)
+                                                       for i in range(len(self.graph.outputs))]
+        results = []
+        for key, read, act in actions:
+            value = env.get(key)
+            results.append(act(read(env) if value is None else value))
+        return tuple(results)
+
+    def _replay_action(self, i: int, lending: bool) -> tuple:
+        key, read = self._reads[i]
+        kind, source = self._kinds[i]
+        if lending and i in self._lent:
+            return key, read, torch.Tensor.detach
+        if kind == "const":
+            return key, read, torch.Tensor.clone
+        copy = functools.partial(torch.Tensor.clone, memory_format=torch.contiguous_format)
+        if kind == "alias":  # a view of the caller's input: itself while the graph reads it in place
+            in_place = self.graphed.in_place
+            return key, read, lambda value: value.detach() if in_place(source) else copy(value)
+        return key, read, copy
 
     def _as_eager(self, i: int, value: torch.Tensor) -> bool:
         """Output `i` is a whole buffer of ours seen through a permutation of its dims, with
