@@ -331,7 +331,7 @@ def profile_reset():
 
 
 BENCHES = ("run", "models", "kernels", "overhead", "compile_time", "cost_fidelity", "coldstart", "training",
-           "bandwidth", "remote_cache", "distributed", "regret")
+           "bandwidth", "remote_cache", "distributed", "regret", "calibration")
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True}, add_help_option=False)

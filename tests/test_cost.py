@@ -128,3 +128,25 @@ def test_a_transposing_store_is_charged_one_more_pass():
     assert extra_passes("transpose", [(64, 1)], {"dim0": 0, "dim1": 1}) == 0  # a reshape in effect
     assert extra_passes("transpose", [(1, 64)], {"dim0": 0, "dim1": 1}) == 0
     assert extra_passes("linear", [(8, 4), (6, 4), (6,)]) == 2 and extra_passes("matmul", [(8, 4), (4, 6)]) == 0
+
+
+def test_calibration_benchmark_tells_when_calibrations_plan_differently(monkeypatch, capsys):
+    """benchmarks/calibration.py compiles each workload under each calibration's profile and says
+    whether the plans agree: two equal profiles agree; a second whose generated code is 10^4
+    times slower (so recomputing a row's mean looks dearer than a round trip) splits ln_relu."""
+    import dataclasses
+
+    from benchmarks import calibration
+    base = calibrate.PROFILES["cpu"]
+    for second, verdict in ((base, "yes"), (dataclasses.replace(base, flops=base.flops / 1e4), "NO")):
+        measured = iter([base, second])
+        current = {}
+
+        def measure():
+            current["profile"] = next(measured)
+            return current["profile"]
+        monkeypatch.setattr(calibrate, "calibrate_cpu", measure)
+        monkeypatch.setattr(calibrate, "cpu_profile", lambda: current["profile"])
+        assert calibration.main(["--runs", "2", "--size", "test", "--workloads", "ln_relu"]) == 0
+        out = capsys.readouterr().out
+        assert f"| ln_relu | {verdict} |" in out, out
