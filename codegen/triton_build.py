@@ -60,7 +60,8 @@ SIGNATURE = {"float32": "*fp32", "float16": "*fp16", "bfloat16": "*bf16", "bool"
              "int32": "*i32"}
 
 
-SHARED_LIMIT = 232448  # bytes of shared memory one block may use on sm_90 (227 KB)
+# bytes of shared memory one block may use, by compute capability (sm_90: 227 KB)
+SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
 
 
 def compile_for_gpu(modules: list[tuple[str, list[LoopKernel]]], arch: int = 90, candidates: bool = False) -> None:
@@ -84,7 +85,8 @@ def compile_for_gpu(modules: list[tuple[str, list[LoopKernel]]], arch: int = 90,
                   for name, params in kernel_functions(k, shape, sized)
                   if f"def {k.name}(" in source]  # (a repeated kernel runs another's code: walker.unique_kernels)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", f"SHARED_LIMIT = {SHARED_LIMIT}\n" + _GPU_COMPILE, json.dumps(specs), str(arch)],
+    limit = f"SHARED_LIMIT = {SHARED_LIMIT.get(arch, SHARED_LIMIT[90])}\n"
+    done = subprocess.run([sys.executable, "-c", limit + _GPU_COMPILE, json.dumps(specs), str(arch)],
                           env=env, capture_output=True, text=True)
     if done.returncode:
         raise CodegenError(f"Triton refuses a kernel for sm_{arch}:\n{done.stderr[-3000:]}")
