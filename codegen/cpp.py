@@ -4,8 +4,8 @@ kernel.  The outer loop is `omp parallel for`, inner loops are `omp simd`
 library by name so that, with glibc's vector math library, they vectorise."""
 from __future__ import annotations
 
-from egraph_compiler.loopir import (ERROR_FLAG, STASH, Acc, Call, Const, Load, LoopKernel, contains, gathers,
-                                    has_gather, transposed_reads, variables)
+from egraph_compiler.loopir import (ERROR_FLAG, STASH, Acc, Call, Const, Load, LoopKernel, contains, expressions,
+                                    gathers, has_gather, transposed_reads, variables)
 from egraph_compiler.pieces import pieces, strips
 
 from .cpp_across import TILE, column_reduction, columns, tiled
@@ -288,9 +288,8 @@ def _hoist_rows(k: LoopKernel, types, lines: list[str]) -> list[str]:
     """A gather whose row depends on the outer index alone (an embedding: one token per row) takes
     its row once per outer index, before the inner loops: inside them, egc_row's branch on a bad
     index is control flow that keeps g++ from vectorising the loop."""
-    exprs = [red.body for red in k.reductions] + [k.value] + [s[2] for s in k.extra_stores]
     calls = {}
-    for g in (g for e in exprs for g in gathers(e)):
+    for g in (g for e in expressions(k) for g in gathers(e)):
         if _outer_only(g.row):
             text = TARGET.row.format(row=_expr(g.row, types), rows=TARGET.int_const(g.rows), err=ERROR_FLAG)
             calls.setdefault(text, f"egc_g{len(calls)}")

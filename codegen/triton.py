@@ -249,9 +249,10 @@ class _Kernel:
                 f"{pad}mask = omask & rmask"]
 
     def _passes(self) -> list[list]:
-        """The reductions in loop order; in a looped kernel, consecutive float32 sums that do not
-        read each other's results share one pass over the row (layer_norm's centred sum and sum
-        of squares: three passes over a long row, then the store's, instead of four)."""
+        """The reductions in loop order; consecutive float32 sums that do not read each other's
+        results are grouped: a looped kernel takes them in one pass over the row (layer_norm's centred
+        sum and sum of squares: three passes over a long row, then the store's, instead of four), a row
+        kept in registers as one reduction of a tuple of up to three (`_sums`)."""
         groups: list[list] = []
         for i, red in enumerate(self.k.reductions):
             joins = (groups and red.combiner == "sum" and red.dtype == "float32" and (self.looped or len(groups[-1]) < 3)

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import os
 
-from egraph_compiler.loopir import STASH, LoopKernel, loads, variables
+from egraph_compiler.cost import itemsize
+from egraph_compiler.loopir import STASH, LoopKernel, expressions, loads, variables
 
 MIN_ROW = 32768
 STAGES = 3
 SHARED = 200 * 1024  # bytes of staged rows (sm_90 gives a block 227 KB; triton_build checks what is used)
-_SIZES = {"float32": 4, "int32": 4, "int64": 8}
 _PROGRAMS: list = []
 
 
@@ -23,13 +23,12 @@ def stages(k: LoopKernel, rblock: int) -> bool:
     MIN_ROW elements read from one input, whose STAGES - 1 rows in flight fit in SHARED."""
     if k.inner < MIN_ROW:
         return False
-    values = [red.body for red in k.reductions] + [k.value] + [value for _, _, value, _ in k.extra_stores]
-    rows = {(e.param, e.index) for v in values for e in loads(v) if e.param != STASH and "r" in variables(e.index)}
+    rows = {(e.param, e.index) for v in expressions(k) for e in loads(v)
+            if e.param != STASH and "r" in variables(e.index)}
     if len(rows) != 1:
         return False
     (param, _), = rows
-    size = _SIZES.get(next(p.dtype for p in k.params if p.name == param), 2)
-    return rblock * size * (STAGES - 1) <= SHARED
+    return rblock * itemsize(next(p.dtype for p in k.params if p.name == param)) * (STAGES - 1) <= SHARED
 
 
 def loop(k: LoopKernel, body: list[str]) -> list[str]:

@@ -201,9 +201,13 @@ def transposed_reads(k: "LoopKernel") -> bool:
                if e.param != STASH)
 
 
+def expressions(k: "LoopKernel") -> list:
+    """Every scalar expression a kernel evaluates: its reductions' bodies, then its stores' values."""
+    return [red.body for red in k.reductions] + [k.value] + [s[2] for s in k.extra_stores]
+
+
 def has_gather(k: "LoopKernel") -> bool:
-    exprs = [red.body for red in k.reductions] + [k.value] + [s[2] for s in k.extra_stores]
-    return any(_has_gather(e) for e in exprs)
+    return any(_has_gather(e) for e in expressions(k))
 
 
 def _has_gather(e) -> bool:

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from .codegen.walker import expr_dtype
-from .loopir import Affine, Call, Const, Gather, Index, Load, LoopKernel, Reduction, loads
+from .loopir import Affine, Call, Const, Gather, Index, Load, LoopKernel, Reduction, expressions, loads
 
 MAX_PIECES = 16  # a cat of many operands stays one loop rather than a long function
 
@@ -42,13 +42,9 @@ def pieces(k: LoopKernel) -> list[LoopKernel]:
     return out if split(k) and len(out) > 1 else [k]
 
 
-def _exprs(k: LoopKernel) -> list:
-    return [red.body for red in k.reductions] + [k.value] + [s[2] for s in k.extra_stores]
-
-
 def _split_point(k: LoopKernel):
     """(var, p): a cat's condition `index < c` on a loop variable alone flips at p inside its range."""
-    for e in _exprs(k):
+    for e in expressions(k):
         for index, c in _conditions(e):
             if len(index.terms) != 1 or index.terms[0][0][0] != "var" or index.terms[0][1] <= 0:
                 continue
@@ -128,14 +124,14 @@ def strips(k: LoopKernel):
     if k.reductions or k.stash_last or not k.store_in_inner or any(not s[3] for s in k.extra_stores):
         return None
     row = Affine.var("r", k.inner)
-    moduli = sorted({t[2] for e in _exprs(k) for load in loads(e) for t, _ in load.index.terms
+    moduli = sorted({t[2] for e in expressions(k) for load in loads(e) for t, _ in load.index.terms
                      if t[0] in ("mod", "div") and t[1] == row})
     for m in (m for m in moduli if 8 <= m < k.inner and k.inner % m == 0):
         value = Affine.var("rl", m) + Affine.var("rh", k.inner // m).scale(m)
         ex = lambda e: _put_expr(e, "r", value)
         split = replace(k, reductions=[], store_index=_put(k.store_index, "r", value), value=ex(k.value),
                         extra_stores=[(p, _put(i, "r", value), ex(v), inner) for p, i, v, inner in k.extra_stores])
-        if not any(t[0] != "var" and "rl" in _names(t[1]) for e in _exprs(split) for load in loads(e)
+        if not any(t[0] != "var" and "rl" in _names(t[1]) for e in expressions(split) for load in loads(e)
                    for t, _ in load.index.terms):
             return m, split
     return None

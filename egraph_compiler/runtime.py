@@ -283,29 +283,30 @@ class Executable:
             return "alias", id(source)
         return ("input" if source.op == "input" else "computed"), 0
 
-    def _result(self, i: int, env, copy: bool = False, lend: bool = False) -> torch.Tensor:
-        """Output `i` as the caller gets it: `copy` when env's tensors are a CUDA graph's own,
-        unless it is lent (`lend`: the graph's own buffer, in a tensor of the caller's)."""
+    def _result(self, i: int, env, lend: bool = False) -> torch.Tensor:
+        """Output `i` as the caller gets it from a run without a CUDA graph (a replay's: `_replayed`);
+        `lend`: a training forward's saved activation, handed over as it is."""
         key, read = self._reads[i]
         value = env.get(key)
         if value is None:
             value = read(env)
         if lend:
             return value.detach()  # (a strided view of the graph's buffer too: backward reads it in place)
-        kind, source = self._kinds[i]
+        kind, _ = self._kinds[i]
         if kind == "const":
             return value.clone()
-        if kind == "alias" and (not copy or self.graphed.in_place(source)):
+        if kind == "alias":
             return value.detach()  # a view of the caller's tensor, as torch returns it
-        if copy or kind != "computed" or not (value.is_contiguous() or self._as_eager(i, value)):
+        if kind != "computed" or not (value.is_contiguous() or self._as_eager(i, value)):
             return value.clone(memory_format=torch.contiguous_format)  # never alias the caller's tensors
         return value  # (a transpose of a buffer of ours as it is, with eager's strides: a training
         # forward's saved activation, which backward reads in place)
 
     def _replayed(self, env) -> tuple:
-        """The outputs of a CUDA graph's replay, as `_result(copy=True)` gives them (lent ones the
-        graph's buffers, detached; the rest copied), by actions made once per lending state: the
-        host path of a graphed training step, ~40 outputs a call."""
+        """The outputs of a CUDA graph's replay (env's tensors are the graph's own): lent ones the
+        graph's buffers, detached; an alias of an input the graph reads in place, detached; the rest
+        copied.  By actions made once per lending state: the host path of a graphed training step,
+        ~40 outputs a call."""
         lending = self.graphed.lending
         actions = self._replay_actions.get(lending)
         if actions is None:
