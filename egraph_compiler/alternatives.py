@@ -43,7 +43,7 @@ def alternatives(fn, example_inputs, count: int = 5, budget: int = 200, **option
             extracted, _ = extract_kernels(eclasses, graph, profile, banned)
         except UnsoundRuleError:  # the ban left an output without a term
             return None
-        return make_plan(extracted, profile, target, opts.alias_inputs)
+        return make_plan(extracted, profile, target, opts.alias_inputs, rules)
 
     chosen = plan_without(frozenset())
     distinct = {signature(chosen): chosen}  # kernel structure -> its cheapest plan

@@ -108,9 +108,9 @@ def lower_kernel(kernel: Kernel, buffer_names: dict[int, str], exact_mean: bool 
     """`exact_mean` (a target whose sums are double, Target.exact_mean): a mean is a
     `mean` reduction, its sum divided in double before rounding (see expand_row)."""
     root = kernel.output
-    tree, domain, inner_dims = _layout(root, exact_mean)
+    tree, domain, inner_dims = _layout(root, exact_mean, kernel.fused)
     reduce_root = tree.group == "reduction"
-    lowering = _Lowering(domain, inner_dims, buffer_names, exact_mean, kernel.stored)
+    lowering = _Lowering(domain, inner_dims, buffer_names, exact_mean, kernel.stored, kernel.fused)
     if reduce_root:
         kept = [lowering.index[d] for d in range(len(domain)) if d not in _dims(tree) or tree.attr("keepdim")]
         value = lowering.compute(tree, kept)
@@ -120,9 +120,16 @@ def lower_kernel(kernel: Kernel, buffer_names: dict[int, str], exact_mean: bool 
         out_index = lowering.linear(lowering.index, root.shape)
     params = [Param(buffer_names[id(n)], n.dtype, "in") for n in kernel.inputs]
     params.append(Param(buffer_names[id(root)], root.dtype, "out"))
-    # values stored beside the output (sharing.py), element k at the domain's k-th index
+    # values stored beside the output (sharing.py), element k at the domain's k-th index, or
+    # per row, at the k-th outer index (a norm's statistics), once the row's reductions are done
+    rows = [1 if d in inner_dims else n for d, n in enumerate(domain)]
+    at_row = [Affine() if d in inner_dims else i for d, i in enumerate(lowering.index)]
+    if any(n.numel not in (root.numel, math.prod(rows)) for n in kernel.extra_outputs):
+        raise CodegenError(f"{kernel.name} stores a value of neither its own size nor one per row")
     extra = [(buffer_names[id(n)], lowering.linear(lowering.index, domain),
-              lowering.compute(_reshaped(n, domain), lowering.index), True) for n in kernel.extra_outputs]
+              lowering.compute(_reshaped(n, domain), lowering.index), True) if n.numel == root.numel else
+             (buffer_names[id(n)], lowering.linear(at_row, rows), lowering.compute(_reshaped(n, rows), at_row), False)
+             for n in kernel.extra_outputs]
     params += [Param(buffer_names[id(n)], n.dtype, "out") for n in kernel.extra_outputs]
     out = LoopKernel(kernel.name, params, lowering.outer, lowering.inner, lowering.reductions,
                      buffer_names[id(root)], out_index, value, not reduce_root, extra_stores=extra)
@@ -130,7 +137,7 @@ def lower_kernel(kernel: Kernel, buffer_names: dict[int, str], exact_mean: bool 
     return out
 
 
-def _layout(root: Node, exact_mean: bool = False):
+def _layout(root: Node, exact_mean: bool = False, fused: frozenset = frozenset()):
     """(expanded tree, loop domain, inner dims) of the kernel rooted at `root`.
 
     Legality is a matter of index maps, not shapes: the tree is evaluated once
@@ -143,7 +150,7 @@ def _layout(root: Node, exact_mean: bool = False):
     if tree.group == "layout":  # a program output that is a view: copy it
         tree = Node.make("add", (tree, const(0.0)))
     domain = tuple(tree.args[0].shape if tree.group == "reduction" else tree.shape)
-    probe = _Lowering(domain, None, {})
+    probe = _Lowering(domain, None, {}, fused=fused)
     if tree.group == "reduction":
         probe.compute(tree, [probe.index[d] for d in range(len(domain))
                              if d not in _dims(tree) or tree.attr("keepdim")])
@@ -235,8 +242,9 @@ class _Lowering:
     is the probe of `_layout`: one variable per domain dim, and it records each
     reduction's row-position variables and element count in `found`."""
 
-    def __init__(self, domain, inner_dims, buffer_names, exact_mean: bool = False, stored: frozenset = frozenset()):
-        self.buffer_names, self.exact_mean, self.stored = buffer_names, exact_mean, stored
+    def __init__(self, domain, inner_dims, buffer_names, exact_mean: bool = False, stored: frozenset = frozenset(),
+                 fused: frozenset = frozenset()):
+        self.buffer_names, self.exact_mean, self.stored, self.fused = buffer_names, exact_mean, stored, fused
         self.probing = inner_dims is None
         self.reductions: list[Reduction] = []
         self.found: list[tuple[Node, set, int]] = []
@@ -273,6 +281,8 @@ class _Lowering:
             a = a.args[0]
         elif a.group == "layout":
             return self.operand(a.args[0], _view_index(a, index))
+        if id(a) in self.fused:  # a value this kernel computes although another stored it (Kernel.fused)
+            return self.compute(a, index)
         if id(a) not in self.buffer_names and not self.probing:
             raise CodegenError(f"{a.op} is read but never materialised")
         return Load(self.buffer_names.get(id(a), "?"), self.linear(index, a.shape))
@@ -355,16 +365,31 @@ class _Lowering:
             elif any("r" in _variables(i) for i in row):
                 raise CodegenError(f"{node.op}: row position varies along the inner loop (an illegal fusion)")
             body = self.operand(node.args[0], full)  # nested reductions come first
-            acc = Acc(f"acc{len(self.reductions)}")
             exact = self.exact_mean and node.op == "mean"  # divided in double by the renderer
-            self.reductions.append(Reduction(acc.name, "max" if node.op == "amax" else "mean" if exact else "sum",
-                                             body, node.dtype if node.dtype in ops.INTEGERS else "float32"))
-            self._accs[key] = acc
+            red = Reduction(f"acc{len(self.reductions)}", "max" if node.op == "amax" else "mean" if exact else "sum",
+                            body, node.dtype if node.dtype in ops.INTEGERS else "float32")
+            # the same reduction reached by another node (a norm's composite and the statistics a
+            # training forward saves, written out): one accumulator
+            same = [r for r in self.reductions if (r.combiner, _squares(r.body), r.dtype) ==
+                    (red.combiner, _squares(red.body), red.dtype)]
+            if not same:
+                self.reductions.append(red)
+            self._accs[key] = Acc((same or [red])[0].acc)
         acc = self._accs[key]
         if node.op != "mean" or self.exact_mean:
             return acc
         # a true division, as torch's: `sum * (1/n)` rounds, and a constant row is then not centred exactly
         return Call("div", (acc, Const(float(count))), node.dtype)
+
+
+def _squares(e):
+    """An expression with pow(a, 2) written a * a (torch computes it so), for comparing two."""
+    if isinstance(e, Call):
+        args = tuple(_squares(a) for a in e.args)
+        if e.op == "pow" and args[1] == Const(2.0):
+            return Call("mul", (args[0], args[0]), e.dtype)
+        return Call(e.op, args, e.dtype)
+    return e
 
 
 def _variables(index: Affine) -> set:

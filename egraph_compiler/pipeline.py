@@ -93,7 +93,7 @@ def run_pipeline(fn, example_inputs, options: Options):
 
     profile = profile_of(options, target)
     clock = time.perf_counter()
-    plan = _extract(eclasses, graph, profile, options, target)
+    plan = _extract(eclasses, graph, profile, options, target, rules)
     plan.rules_fired = dict(report.matches)
     levels.timings["extract"] = time.perf_counter() - clock
     _warn_fallbacks(plan)
@@ -192,11 +192,11 @@ def _target(name: str | None, example_inputs):
     return target
 
 
-def _extract(eclasses, graph: Graph, profile, options: Options, target) -> Plan:
+def _extract(eclasses, graph: Graph, profile, options: Options, target, rules=()) -> Plan:
     """Greedy by default; with extraction='ilp' also the integer program, and
     the plan with the lower estimated cost wins.  Both costs are reported."""
     best, dag_cost = extract_kernels(eclasses, graph, profile)
-    plan = make_plan(best, profile, target, options.alias_inputs)
+    plan = make_plan(best, profile, target, options.alias_inputs, rules)
     plan.extraction = (f"extraction: greedy (DAG cost {dag_cost * 1e6:.1f}us, plan {plan.cost * 1e6:.1f}us) "
                        f"over {eclasses.enode_count} e-nodes")
     if options.extraction != "ilp":
@@ -206,7 +206,7 @@ def _extract(eclasses, graph: Graph, profile, options: Options, target) -> Plan:
         plan.extraction += f"; ilp: {result.status}, kept greedy"
         return plan
     ilp_plan = make_plan(build(eclasses, ilp.as_extractor(eclasses, profile, result.choice), graph), profile, target,
-                         options.alias_inputs)
+                         options.alias_inputs, rules)
     winner = ilp_plan if ilp_plan.cost < plan.cost else plan
     winner.extraction = (plan.extraction + f"; ilp: {result.status}, objective {result.objective * 1e6:.1f}us, "
                          f"plan {ilp_plan.cost * 1e6:.1f}us; chose {'ilp' if winner is ilp_plan else 'greedy'}")

@@ -40,6 +40,9 @@ class Kernel:
     # and the values other kernels store that it reads instead of computing them (node ids)
     extra_outputs: list[Node] = field(default_factory=list)
     stored: frozenset = frozenset()
+    # values other kernels would store (per-row statistics) that this one computes from their
+    # operands instead of reading them, and stores itself (sharing.share_row_values; node ids)
+    fused: frozenset = frozenset()
 
     @property
     def outputs(self) -> list[Node]:
@@ -87,11 +90,12 @@ class Plan:
         return "\n".join(lines)
 
 
-def make_plan(graph: Graph, profile: DeviceProfile, target, alias_inputs: bool = False) -> Plan:
+def make_plan(graph: Graph, profile: DeviceProfile, target, alias_inputs: bool = False, rules=()) -> Plan:
     """One kernel per materialised node, in dependency order.  Fusion rules
     judge each edge alone, so a kernel can hold reductions that no single
     loop nest computes (rows feeding a reduction over columns): the index-map
-    check of lowering names those inline edges, which become materialised."""
+    check of lowering names those inline edges, which become materialised.  `rules`: the
+    enabled rules (their horizontal fusion statements allow per-row values side by side)."""
     graph = _viewed_producers(graph, profile)
     while True:
         plan = _kernels(graph, profile, target, alias_inputs)
@@ -99,8 +103,8 @@ def make_plan(graph: Graph, profile: DeviceProfile, target, alias_inputs: bool =
         cut = set().union(*(oversized_edges(k.output) for k in plan.kernels if k.kind == "generated"))
         cut = cut or set().union(*(illegal_edges(k.output) for k in plan.kernels if k.kind == "generated"))
         if not cut:
-            from .sharing import share_results  # it builds on this module's kernels
-            return share_results(plan, profile)
+            from .sharing import share_results, share_row_values  # they build on this module's kernels
+            return share_results(share_row_values(plan, profile, rules), profile)
         graph = rebuild(graph, lambda node, args: args[0] if id(node) in cut else None)  # cut edges materialise
 
 
@@ -191,13 +195,15 @@ def _fallback_entry(node: Node, reason: str, graph: Graph) -> str:
     return f"{node.op} ({reason}; {graph.where.get(id(node), 'no source line')})"
 
 
-def kernel_body(root: Node, stored: frozenset = frozenset(), views: frozenset = frozenset()) -> tuple[list[Node], list[Node]]:
+def kernel_body(root: Node, stored: frozenset = frozenset(), views: frozenset = frozenset(),
+                fused: frozenset = frozenset()) -> tuple[list[Node], list[Node]]:
     """(nodes computed by the kernel rooted at `root`, in order; the
     materialised tensors it reads).  `stored`: ids of fused values another
     kernel stores (sharing.py), read here instead of computed; `views`: views of
     fused producers that kernels store (`_called_views`), which a library call
     reads through the views above them (LLaMA's backward: the transpose of the
-    silu * up product it stores for one matmul, for another's weight gradient)."""
+    silu * up product it stores for one matmul, for another's weight gradient);
+    `fused`: ids of materialised values computed here all the same (Kernel.fused)."""
     body: list[Node] = []
     inputs: list[Node] = []
     computed: set[int] = set()
@@ -226,6 +232,8 @@ def kernel_body(root: Node, stored: frozenset = frozenset(), views: frozenset = 
                 inputs.append(view)
         elif a.op == "inline":
             compute(a.args[0])
+        elif id(a) in fused and not calls:
+            compute(a)
         elif a.op != "const" and id(a) not in read:
             read.add(id(a))
             inputs.append(a)

@@ -9,12 +9,23 @@ norm kernels read a quadratic number of them.  The first kernel that computes
 `h` already holds it in registers; one more store there lets every later kernel
 read one tensor instead of all of `h`'s terms (Inductor's fused add + norm
 kernels store the sum the same way).  Applied where it moves fewer bytes.
+
+Per-row values go the other way (`share_row_values`): a training forward saves
+layer_norm's mean and rstd, which extraction leaves to kernels of their own (the
+row's sums in one, rstd in another) before the kernel that normalises the row
+reads them; that kernel holds the same row and computes them from it, so it
+stores them once its row's reductions are done, and the kernels go.
 """
 from __future__ import annotations
 
 from .cost import ELEMENTWISE, DeviceProfile, itemsize
-from .graph import Node, topo_order
+from .dsl.parser import FuseRule
+from .errors import CodegenError
+from .graph import Node, topo_order, view_chain, view_source
+from .loopir import expressions, loads, stride
+from .lower import IllegalKernel, lower_kernel
 from .plan import Kernel, Plan, estimate, kernel_body
+from .siblings import allowed, computed_op
 
 # what a stored value's kernel may compute on the way to it: per-element arithmetic on
 # the first kernel's own loop domain (no reduction or row composite that it would need
@@ -40,7 +51,7 @@ def share_results(plan: Plan, profile: DeviceProfile) -> Plan:
         first, later = (users[at], users[at + 1:]) if at < len(users) else (None, [])
         if not later:
             continue
-        bodies = [kernel_body(k.output, k.stored | {id(value)}) for k in later]
+        bodies = [kernel_body(k.output, k.stored | {id(value)}, fused=k.fused) for k in later]
         saved = sum(_bytes(k.inputs) - _bytes(inputs) for k, (_, inputs) in zip(later, bodies))
         if saved <= _bytes([value]):  # the store costs one write of the value
             continue
@@ -59,9 +70,95 @@ def _storable(kernel: Kernel, value: Node) -> bool:
     root = kernel.output
     if root.group == "reduction" or root.numel != value.numel:
         return False
-    body, _ = kernel_body(value, kernel.stored)
+    body, _ = kernel_body(value, kernel.stored, fused=kernel.fused)
     return all(n.group in ON_THE_WAY for n in body)
 
 
 def _bytes(nodes) -> int:
     return sum(n.numel * itemsize(n.dtype) for n in nodes)
+
+
+def share_row_values(plan: Plan, profile: DeviceProfile, rules=()) -> Plan:
+    """A generated kernel `p` whose output has one value per row of a later row kernel `k`
+    that computes that value inline, or reads it and can compute it from the same row, goes:
+    `k` stores it (Kernel.extra_outputs, per row) where its lowering shows no reduction
+    beyond those the two kernels had, no kernel between them reads it, and the estimate
+    is lower (one launch and one read of the row fewer).  A value that `k` neither reads nor
+    computes joins it as a sibling would (the rules' horizontal fusion statements)."""
+    siblings = [r for r in rules if isinstance(r, FuseRule) and r.horizontal]
+    merged = True
+    while merged:
+        merged = False
+        for k in [k for k in plan.kernels if k.kind == "generated" and k.output.group != "reduction"]:
+            merged = any(_absorb(plan, p, k, profile, siblings) for p in plan.kernels if p is not k)
+            if merged:
+                break
+    # a value stored only for a kernel that went (the row's sum, for rstd's kernel) is not stored
+    kept = {id(n) for o in plan.graph.outputs for n in view_chain(o)}
+    kept |= {id(view_source(i)) for q in plan.kernels for i in q.inputs}
+    for k in plan.kernels:
+        if any(id(n) not in kept for n in k.extra_outputs):  # (share_results runs after this)
+            k.extra_outputs = [n for n in k.extra_outputs if id(n) in kept]
+            estimate(k, profile)
+    return plan
+
+
+def _absorb(plan: Plan, p: Kernel, k: Kernel, profile: DeviceProfile, siblings) -> bool:
+    value = p.output
+    if (p.kind != "generated" or p.extra_outputs or p.fused or value.numel == 0 or value.group == "layout"
+            or k.output.numel % value.numel or value.numel > k.output.numel):
+        return False  # (a view as output: one a library call reads, the kernel's output is that view)
+    computed = any(n is value for n in k.ops)
+    if value.numel == k.output.numel and not computed:
+        return False  # (of the kernel's own size: a value it computes on the way, a norm's x-hat saved)
+    reads = any(i is value for i in k.inputs)
+    # `k` neither reads nor computes it, but holds all it reads (rstd from the row, where `k`
+    # normalises through the rms_norm composite and extraction wrote the statistics out)
+    own = {id(n) for n in k.extra_outputs} | set(k.fused)
+    beside = (not computed and not reads and allowed(siblings, computed_op(k.output), value.op)
+              and all(id(i) in own or any(i is j for j in k.inputs) for i in p.inputs))
+    if not (computed or reads or beside):
+        return False
+    between = plan.kernels[plan.kernels.index(p) + 1:plan.kernels.index(k)]  # (none where p runs later)
+    if any(_reads(q, value) for q in between):
+        return False
+    fused = k.fused | ({id(value)} if reads else set()) | ({id(i) for i in p.inputs if id(i) in own} if beside else set())
+    body, inputs = kernel_body(k.output, k.stored, fused=fused)
+    trial = Kernel(k.name, "generated", k.output, body, inputs, extra_outputs=k.extra_outputs + [value],
+                   stored=k.stored, fused=fused)
+    inside = {id(n) for n in body}  # (what `k` computes beside its output's body stays, `p`'s joins)
+    beside_ops = [n for n in k.ops + (p.ops if beside else []) if id(n) not in inside]
+    trial.ops = list({id(n): n for n in beside_ops}.values()) + body
+    before, after = _lowered(k), _lowered(trial)
+    if after is None or before is None or after[0] > before[0] + (_lowered(p) or (0,))[0] * (not computed):
+        return False
+    if after[1] > max(before[1], 1):  # it would read along columns what `k` reads along rows
+        return False
+    estimate(trial, profile)
+    if trial.seconds >= k.seconds + p.seconds:
+        return False
+    k.ops, k.inputs, k.extra_outputs, k.fused = trial.ops, trial.inputs, trial.extra_outputs, fused
+    estimate(k, profile)
+    plan.kernels.remove(p)
+    return True
+
+
+def _reads(kernel: Kernel, value: Node) -> bool:
+    """The kernel reads the value, or a view of it."""
+    for i in kernel.inputs:
+        while i is not value and i.group == "layout":
+            i = i.args[0]
+        if i is value:
+            return True
+    return False
+
+
+def _lowered(kernel: Kernel) -> tuple[int, int] | None:
+    """(reductions in the kernel's loop nest, the largest distance in memory between
+    consecutive elements of a row it reads); None: it does not lower."""
+    names = {id(n): f"b{i}" for i, n in enumerate(kernel.inputs + kernel.outputs)}
+    try:
+        lk = lower_kernel(kernel, names)
+    except (CodegenError, IllegalKernel):
+        return None
+    return len(lk.reductions), max((abs(stride(e.index, "r")) for v in expressions(lk) for e in loads(v)), default=0)

@@ -29,7 +29,7 @@ def fuse_siblings(plan: Plan, loops: list[LoopKernel], rules) -> tuple[list[Loop
         for other in plan.kernels[i + 1:]:
             if other.kind != "generated" or other.name in followers or other.name not in by_name:
                 continue
-            if not _allowed(statements, leader.output.op, other.output.op):
+            if not allowed(statements, computed_op(leader.output), computed_op(other.output)):
                 continue
             shared = {id(n) for n in leader.inputs} & {id(n) for n in other.inputs}
             ready = all(produced_at.get(id(n), -1) < position[leader.name] for n in other.inputs)
@@ -43,6 +43,14 @@ def fuse_siblings(plan: Plan, loops: list[LoopKernel], rules) -> tuple[list[Loop
     return [by_name[lk.name] for lk in loops if lk.name not in followers], followers
 
 
-def _allowed(statements, first: str, second: str) -> bool:
+def computed_op(node) -> str:
+    """The op a kernel computes: a kernel whose output is a view (GPT-2's activation, reshaped to
+    rows for the next linear) computes the op below it."""
+    while node.group == "layout" and node.args[0].group in ("layout", "boundary"):
+        node = node.args[0].args[0] if node.args[0].op == "inline" else node.args[0]
+    return node.op
+
+
+def allowed(statements, first: str, second: str) -> bool:
     return any((first in s.consumers and second in s.producers) or (second in s.consumers and first in s.producers)
                for s in statements)

@@ -87,7 +87,8 @@ def test_a_value_computed_by_one_later_kernel_only_is_not_stored():
         return F.rms_norm(h, (16,), w), (h * 2).sum(-1)
     x, y, w = torch.randn(4, 16), torch.randn(4, 16), torch.rand(16)
     compiled = egc.compile(two_norms, [x, y, w])
-    assert not any(k.extra_outputs for k in compiled.plan.kernels), str(compiled.plan)
+    # (the row sums are per-row values of the norm's row kernel, which stores them: share_row_values)
+    assert not any(n.numel == x.numel() for k in compiled.plan.kernels for n in k.extra_outputs), str(compiled.plan)
     for got, want in zip(compiled(x, y, w), two_norms(x, y, w)):
         torch.testing.assert_close(got, want)
 
@@ -145,3 +146,48 @@ def test_gpt2s_training_forward_stores_its_stream_after_the_first_norms_statisti
     reference(ids).logits.square().mean().backward()
     for (name, got), want in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(got.grad, want.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def _norm_module(norm: str, d: int) -> torch.nn.Module:
+    return torch.nn.LayerNorm(d) if norm == "layer_norm" else torch.nn.RMSNorm(d, eps=1e-6)
+
+
+@pytest.mark.parametrize("target", ["cpu", "triton"])
+@pytest.mark.parametrize("norm", ["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("shape", [(2, 8, 32), (3, 5, 7), (16, 16), (1, 1, 1)])
+def test_a_training_forward_saves_the_norms_statistics_from_the_normalising_kernel(target, norm, shape):
+    """A training forward saves a norm's per-row statistics (layer_norm's mean and rstd, rms_norm's rstd)
+    for backward; extraction leaves them to kernels of their own before the kernel that normalises the row
+    (three kernels for layer_norm), which computes them anyway: it stores them itself
+    (sharing.share_row_values), so the forward is one kernel, and the gradients are eager's."""
+    if target == "triton":
+        pytest.importorskip("triton")
+    import copy
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_norm_module(norm, shape[-1]))
+    with torch.no_grad():  # weights (and bias) away from their initial values, so that backward reads them
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    reference = copy.deepcopy(model)
+    x = torch.randn(*shape, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    torch._dynamo.reset()
+    egc.last_plans(clear=True)
+    out = torch.compile(model, backend="egraph", options={"target": target})(x)
+    out.square().sum().backward()
+    want = reference(x_ref)
+    want.square().sum().backward()
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-4, atol=1e-5)
+    for got, ref in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(got.grad, ref.grad, rtol=1e-4, atol=1e-5)
+    forward = egc.last_plans()[0]
+    verify_plan(forward)
+    if shape[-1] > 1:  # (a row of one element: the statistics fold to constants)
+        generated = [k for k in forward.kernels if k.kind == "generated"]
+        assert len(generated) == 1, str(forward)
+        # the statistics the partitioner saved (it may recompute them in backward instead)
+        saved = [o for o in forward.graph.outputs if o.op != "input" and o.numel == x.numel() // shape[-1]]
+        assert len(generated[0].extra_outputs) == len(saved), str(forward)
+        if shape == (2, 8, 32):  # (saved at this size by torch 2.11-2.13's partitioner)
+            assert len(saved) == (2 if norm == "layer_norm" else 1), str(forward)
