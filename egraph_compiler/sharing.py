@@ -22,7 +22,7 @@ from .cost import ELEMENTWISE, DeviceProfile, itemsize
 from .dsl.parser import FuseRule
 from .errors import CodegenError
 from .graph import Node, topo_order, view_chain, view_source
-from .loopir import expressions, loads, stride
+from .loopir import Acc, Call, expressions, loads, stride
 from .lower import IllegalKernel, lower_kernel
 from .plan import Kernel, Plan, estimate, kernel_body
 from .siblings import allowed, computed_op
@@ -134,6 +134,8 @@ def _absorb(plan: Plan, p: Kernel, k: Kernel, profile: DeviceProfile, siblings) 
         return False
     if after[1] > max(before[1], 1):  # it would read along columns what `k` reads along rows
         return False
+    if value.numel < k.output.numel and not after[2]:
+        return False
     estimate(trial, profile)
     if trial.seconds >= k.seconds + p.seconds:
         return False
@@ -153,12 +155,24 @@ def _reads(kernel: Kernel, value: Node) -> bool:
     return False
 
 
-def _lowered(kernel: Kernel) -> tuple[int, int] | None:
+def _lowered(kernel: Kernel) -> tuple[int, int, bool] | None:
     """(reductions in the kernel's loop nest, the largest distance in memory between
-    consecutive elements of a row it reads); None: it does not lower."""
-    names = {id(n): f"b{i}" for i, n in enumerate(kernel.inputs + kernel.outputs)}
+    consecutive elements of a row it reads, whether its last value stored per row is one:
+    from the row's reductions or other per-row values, not a tensor that only has as many
+    elements as the kernel has rows, LLaMA's rotary angles [1, S, D] in the kernel that
+    rotates [B, H, S, D]); None: it does not lower."""
+    nodes = kernel.inputs + kernel.outputs
+    names = {id(n): f"b{i}" for i, n in enumerate(nodes)}
     try:
         lk = lower_kernel(kernel, names)
     except (CodegenError, IllegalKernel):
         return None
-    return len(lk.reductions), max((abs(stride(e.index, "r")) for v in expressions(lk) for e in loads(v)), default=0)
+    rows = [s[2] for s in lk.extra_stores if not s[3]][-1:]
+    per_row = {names[id(n)] for n in nodes if n.numel == lk.outer}
+    row_value = bool(rows) and (_has_acc(rows[0]) or all(e.param in per_row for e in loads(rows[0])))
+    return (len(lk.reductions), max((abs(stride(e.index, "r")) for v in expressions(lk) for e in loads(v)), default=0),
+            row_value)
+
+
+def _has_acc(e) -> bool:
+    return isinstance(e, Acc) or (isinstance(e, Call) and any(_has_acc(a) for a in e.args))

@@ -191,3 +191,20 @@ def test_a_training_forward_saves_the_norms_statistics_from_the_normalising_kern
         assert len(generated[0].extra_outputs) == len(saved), str(forward)
         if shape == (2, 8, 32):  # (saved at this size by torch 2.11-2.13's partitioner)
             assert len(saved) == (2 if norm == "layer_norm" else 1), str(forward)
+
+
+def test_a_value_with_as_many_elements_as_the_kernel_has_rows_is_not_stored_per_row():
+    """LLaMA's rotary angles cat(freqs, freqs) [1, S, D] have as many elements as the kernel that
+    rotates q [B, H, S, D] has rows when B * H == D (8 * 8 and 64 on the H200): they are no row's
+    statistics, and storing them from that kernel's rows corrupted its output on the GPU."""
+    def rotate(q, freqs):
+        emb = torch.cat((freqs, freqs), dim=-1)  # [1, S, D]
+        half = q.shape[-1] // 2
+        rotated = torch.cat((-q[..., half:], q[..., :half]), dim=-1)
+        return q * emb.cos() + rotated * emb.sin(), emb
+    q, freqs = torch.randn(2, 4, 16, 8), torch.randn(1, 16, 4)  # rows 2 * 4 * 16 = 128 = 16 * 8
+    compiled = egc.compile(rotate, [q, freqs])
+    assert not any(n.numel < k.output.numel for k in compiled.plan.kernels for n in k.extra_outputs), \
+        str(compiled.plan)
+    for got, want in zip(compiled(q, freqs), rotate(q, freqs)):
+        torch.testing.assert_close(got, want)
