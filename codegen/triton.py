@@ -156,6 +156,8 @@ class _Kernel:
         elif any(s.split > 1 or s.pointwise != self.pointwise or s.looped != self.looped for s in shapes):
             parts, shapes = [k], []  # (pieces of other shapes than the whole's: one body)
         self.pieces, self._piece_shapes = parts, shapes
+        for s in shapes:  # a piece runs under the whole kernel's launch: RBLOCK is the whole's (a row
+            s.rblock = self.rblock  # that fills its own smaller block is no row that fills RBLOCK: `_columns`)
         if self.pointwise and transposed_reads(k) and k.outer >= TILE and k.inner >= TILE:
             self.xblock, self.rblock = 2 * TILE, TILE  # reads along o, writes along r: both in runs
         self.staged = (not self.pointwise and not self.looped and self.split <= 1 and len(self.pieces) == 1

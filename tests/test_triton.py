@@ -197,3 +197,20 @@ def test_a_rows_independent_sums_are_one_reduction():
     assert torch.equal(got[0], b), (got[0] - b).abs().max()
     want = fn(*(t.double() for t in (x, w, b)))
     assert (got.double() - want).abs().max() <= 2 * (fn(x, w, b).double() - want).abs().max() + 1e-6
+
+
+@pytest.mark.parametrize("width", [32, 24])
+def test_a_row_kernel_over_a_cat_stores_its_per_row_values_and_its_row(width):
+    """A kernel over a cat along its rows, without reductions but with a value stored per row (sharing's
+    share_row_values: it computes `t` and stores it): it renders as a row kernel in pieces, one per
+    operand.  Each piece runs under the whole kernel's RBLOCK; a piece whose part of the row filled its
+    own smaller block left its columns unmasked and wrote past them (the H200's LLaMA rotary, found
+    when such a store was first made, and here under the interpreter: the product 12.2 off)."""
+    def f(x1, x2, s):
+        t = s * 2.0 + 1.0
+        return torch.cat([x1, x2], dim=-1) * t, t
+    x1, x2, s = torch.randn(64, width), torch.randn(64, width), torch.randn(64, 1)
+    compiled = egc.compile(f, [x1, x2, s], target="triton")
+    assert any(n.numel == 64 for k in compiled.plan.kernels for n in k.extra_outputs), str(compiled.plan)
+    for got, want in zip(compiled(x1, x2, s), f(x1, x2, s)):
+        torch.testing.assert_close(got, want)
