@@ -86,11 +86,21 @@ def share_row_values(plan: Plan, profile: DeviceProfile, rules=()) -> Plan:
     is lower (one launch and one read of the row fewer).  A value that `k` neither reads nor
     computes joins it as a sibling would (the rules' horizontal fusion statements)."""
     siblings = [r for r in rules if isinstance(r, FuseRule) and r.horizontal]
+    refused: set[tuple] = set()  # (p, k, what k stores): a pair refused stays so until k takes another
+
+    def absorbs(p: Kernel, k: Kernel) -> bool:
+        key = (p.name, k.name, len(k.extra_outputs))
+        if key in refused:
+            return False
+        if _absorb(plan, p, k, profile, siblings):
+            return True
+        refused.add(key)
+        return False
     merged = True
     while merged:
         merged = False
         for k in [k for k in plan.kernels if k.kind == "generated" and k.output.group != "reduction"]:
-            merged = any(_absorb(plan, p, k, profile, siblings) for p in plan.kernels if p is not k)
+            merged = any(absorbs(p, k) for p in plan.kernels if p is not k)
             if merged:
                 break
     # a value stored only for a kernel that went (the row's sum, for rstd's kernel) is not stored
@@ -120,7 +130,7 @@ def _absorb(plan: Plan, p: Kernel, k: Kernel, profile: DeviceProfile, siblings) 
     if not (computed or reads or beside):
         return False
     between = plan.kernels[plan.kernels.index(p) + 1:plan.kernels.index(k)]  # (none where p runs later)
-    if any(_reads(q, value) for q in between):
+    if any(n is value for q in between for i in q.inputs for n in view_chain(i)):  # (it, or a view of it)
         return False
     fused = k.fused | ({id(value)} if reads else set()) | ({id(i) for i in p.inputs if id(i) in own} if beside else set())
     body, inputs = kernel_body(k.output, k.stored, fused=fused)
@@ -143,16 +153,6 @@ def _absorb(plan: Plan, p: Kernel, k: Kernel, profile: DeviceProfile, siblings) 
     estimate(k, profile)
     plan.kernels.remove(p)
     return True
-
-
-def _reads(kernel: Kernel, value: Node) -> bool:
-    """The kernel reads the value, or a view of it."""
-    for i in kernel.inputs:
-        while i is not value and i.group == "layout":
-            i = i.args[0]
-        if i is value:
-            return True
-    return False
 
 
 def _lowered(kernel: Kernel) -> tuple[int, int, bool] | None:
