@@ -367,7 +367,16 @@ def load(source: str, kernels: list[LoopKernel], autotune: bool = False, sizes: 
     return load_module(source, kernels, autotune, sizes)
 
 
-TABLE = Target(name="cuda", device="cuda", render=render_program, kernel_source=lambda k: _Kernel(k).render(),
+def kernel_source(k: LoopKernel) -> str:
+    """A kernel's source with its launch above it: a row that fills its block has its length
+    only in RBLOCK, so two kernels of one text may differ in their launches (walker.unique_kernels
+    shares a compiled kernel between those of one source, and so between those of one launch)."""
+    shape = _Kernel(k)
+    return (f"# launch: grid {shape.grid()}, XBLOCK {shape.xblock}, RBLOCK {shape.rblock}, "
+            f"warps {shape.warps}, split {shape.split} x {shape.chunk}\n" + shape.render())
+
+
+TABLE = Target(name="cuda", device="cuda", render=render_program, kernel_source=kernel_source,
                load=load, tunes=True, sized=SIZED, **_FIELDS)
 
 

@@ -157,9 +157,9 @@ def float_literal(value: float, suffix: str, inf: str, nan: str) -> str:
 
 
 def unique_kernels(kernels: list, kernel_source: Callable) -> tuple[list, dict[str, str]]:
-    """Kernels whose source is the same up to their own name and their parameters'
-    names (a repeated layer's norm, activation, rotary kernels) are rendered and
-    compiled once.  Returns (the first kernel of each source, in order; each other
+    """Kernels whose source (as the target gives it: Triton's with its launch) is the same
+    up to their own name and their parameters' names (a repeated layer's norm, activation,
+    rotary kernels) are rendered and compiled once.  Returns (the first kernel of each source, in order; each other
     kernel's name -> the name of the one that computes for it, with its tensors in
     the same parameter positions)."""
     first: dict[str, str] = {}

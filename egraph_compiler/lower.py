@@ -364,6 +364,8 @@ class _Lowering:
                 self.found.append((node, set().union(*(_variables(i) for i in row)), count))
             elif any("r" in _variables(i) for i in row):
                 raise CodegenError(f"{node.op}: row position varies along the inner loop (an illegal fusion)")
+            elif count != self.inner:  # (a value stored beside the output: `_layout` probed the output only)
+                raise CodegenError(f"{node.op} reduces {count} elements, and its kernel's rows have {self.inner}")
             body = self.operand(node.args[0], full)  # nested reductions come first
             exact = self.exact_mean and node.op == "mean"  # divided in double by the renderer
             red = Reduction(f"acc{len(self.reductions)}", "max" if node.op == "amax" else "mean" if exact else "sum",

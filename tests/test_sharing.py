@@ -208,3 +208,19 @@ def test_a_value_with_as_many_elements_as_the_kernel_has_rows_is_not_stored_per_
         str(compiled.plan)
     for got, want in zip(compiled(q, freqs), rotate(q, freqs)):
         torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("target", ["cpu", "triton"])
+def test_a_reduction_over_fewer_elements_than_the_kernels_rows_is_not_stored_per_row(target):
+    """x.sum() of x [2] beside layer_norm(x.repeat(2)), one row of 4: the sum is one value for the
+    kernel's one row, but of 2 elements, and the lowering of stored values (not probed as the
+    output is) summed it over the row's 4, reading past x (a random program's heap corruption
+    under the Triton interpreter).  x sits at the head of a NaN-filled storage: a read past it shows."""
+    def f(x):
+        return F.layer_norm(x.repeat(2), (4,)) * 2.0, x.sum()
+    storage = torch.full((8,), float("nan"))
+    x = storage[:2]
+    x.copy_(torch.tensor([0.5, -1.25]))
+    compiled = egc.compile(f, [x], target=target)
+    for got, want in zip(compiled(x), f(x)):
+        torch.testing.assert_close(got, want)

@@ -214,3 +214,17 @@ def test_a_row_kernel_over_a_cat_stores_its_per_row_values_and_its_row(width):
     assert any(n.numel == 64 for k in compiled.plan.kernels for n in k.extra_outputs), str(compiled.plan)
     for got, want in zip(compiled(x1, x2, s), f(x1, x2, s)):
         torch.testing.assert_close(got, want)
+
+
+def test_kernels_of_one_text_and_other_launches_are_not_shared():
+    """Two softmaxes of one row each, rows of 8 and of 2: a row that fills its block has its
+    length only in RBLOCK, so both kernels render to the same text.  One compiled kernel served
+    both (walker.unique_kernels), launched with the first's RBLOCK: the second read and wrote 8
+    values of its 2 (0.66 off here; in a random program, the interpreter's heap corrupted)."""
+    def f(a, b):
+        return torch.softmax(a, -1), torch.softmax(b, -1)
+    a, b = torch.randn(1, 8), torch.randn(1, 2)
+    compiled = egc.compile(f, [a, b], target="triton")
+    assert len(compiled.loop_kernels) == 2, str(compiled.plan)
+    for got, want in zip(compiled(a, b), f(a, b)):
+        torch.testing.assert_close(got, want)
