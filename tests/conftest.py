@@ -14,6 +14,16 @@ if not os.path.exists("/dev/nvidia0"):
 
 
 @pytest.fixture(autouse=True, scope="session")
+def _triton_bounds_checked():
+    """Under the interpreter, a kernel's load or store outside its tensors fails the test
+    (tests/triton_bounds.py) instead of reading or corrupting the heap."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        from tests import triton_bounds
+        triton_bounds.install()
+    yield
+
+
+@pytest.fixture(autouse=True, scope="session")
 def _private_cache(tmp_path_factory):
     """Tests compile into their own C++ cache, so a run never reads a stale one."""
     os.environ["EGC_CACHE_DIR"] = str(tmp_path_factory.mktemp("egc-cache"))

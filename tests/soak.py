@@ -60,6 +60,9 @@ def _worker(wid: int, seed: int, deadline: float, out_q, first_index: int = 0, c
 
     from tests import programs as P
     faulthandler.enable()  # a worker killed by a signal prints where it was
+    if os.environ.get("TRITON_INTERPRET") == "1":  # an access past a tensor fails where it is made
+        from tests import triton_bounds
+        triton_bounds.install()
     torch.set_num_threads(1)
     i = first_index
     while time.time() < deadline:
@@ -203,6 +206,9 @@ def _minimize_one(fail, budget_s, verbose=False):
     import torch
 
     from tests import programs as P
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        from tests import triton_bounds
+        triton_bounds.install()
     torch.set_num_threads(1)
     start = time.time()
     program, choices = P.shrink(fail["choices"], fail["mode"],
