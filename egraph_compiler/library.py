@@ -116,7 +116,7 @@ def on_cpu(call, q, k, v, mask=None, causal=False, scale=None, grouped=False):
             and q.dtype == k.dtype == v.dtype and (mask is None or (mask.dtype == q.dtype and mask.dim() == 4))):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal,
                                                                               attn_mask=mask, scale=scale)
-        if not bool((lse == 0).any()) or _finite(q, k):
+        if bool(lse.all()) or _finite(q, k):  # (no logsumexp is 0: one op, where `== 0` then `any` took two)
             return out
     elif _finite(q, k):
         return call(q, k, v)

@@ -158,6 +158,36 @@ def loads(e):
         yield from loads(e.row)
 
 
+def out_of_bounds(k: "LoopKernel", numels: dict[str, int]) -> str | None:
+    """The first access of a kernel outside its buffer (`numels`: buffer -> elements), or None.
+    An index is bounded by its variables' bounds, so each loop variable it uses must be bounded
+    by its loop's extent (a variable bounded by a smaller one runs past its bound)."""
+    loops = {"o": k.outer, "r": k.inner}
+    if k.outer == 0:
+        return None  # (nothing runs)
+    stores = [(k.store_param, k.store_index, k.value, k.store_in_inner)] + list(k.extra_stores)
+    made = [red.body for red in k.reductions] + [v for _, _, v, inner in stores if inner] if k.inner else []
+    made += [v for _, _, v, inner in stores if not inner]  # (a loop of no rows runs no reduction nor inner store)
+    accesses = [(e.param, e.index) for v in made for e in loads(v)]
+    accesses += [(p, i) for p, i, _, inner in stores if k.inner or not inner]
+    for param, index in accesses:
+        short = [(name, bound) for name, bound in _bounded_variables(index) if name in loops and bound < loops[name]]
+        if short:
+            name, bound = short[0]
+            return f"{param}[{index}] takes {name} below {bound}, and the loop runs it to {loops[name]}"
+        if param in numels and index.upper() > numels[param]:
+            return f"{param}[{index}] reaches element {index.upper() - 1} of its {numels[param]}"
+    return None
+
+
+def _bounded_variables(index: "Affine"):
+    for term, _ in index.terms:
+        if term[0] == "var":
+            yield term[1], term[2]
+        else:
+            yield from _bounded_variables(term[1])
+
+
 def stride(index: "Affine", var: str) -> int:
     """How far apart in memory consecutive values of a loop variable read (0: not at all,
     or only through a division or modulo)."""

@@ -19,7 +19,7 @@ from .errors import CodegenError
 from .graph import Node, computed_nodes, const, inline_edges
 from .rows import expand_rows
 from .loopir import (STASH, Acc, Affine, Call, Const, Gather, Index, Load, LoopKernel, Param, Reduction, contains,
-                     substitute)
+                     out_of_bounds, substitute)
 
 if TYPE_CHECKING:
     from .plan import Kernel
@@ -47,61 +47,6 @@ def illegal_edges(root: Node) -> set[int]:
                                f"(a compiler bug)") from exc
         return cut
     return set()
-
-
-MAX_EXPRESSION = 4096  # ops in a kernel's expression with every inline operand written out where it is read
-
-
-# how many times the renderers write out an operand of these ops (their templates' `{0}`s, pow's by
-# its exponent; tests/test_regressions.py holds both targets' templates to these): a chain of
-# silu(x) = x / (1 + exp(-x)) doubles its source per step (soak 6060: 6.8 MB lines, g++ minutes)
-OPERAND_COPIES = {"relu": 2, "silu": 2, "gelu": 2, "gelu_tanh": 5}
-POW_COPIES = {2.0: 2, 3.0: 3}
-
-
-def operand_copies(n: Node) -> int:
-    if n.group == "row":
-        return 3  # a row reads its input ~3 times
-    if n.op == "pow" and len(n.args) > 1 and n.args[1].op == "const":
-        return POW_COPIES.get(n.args[1].attr("value"), 1)
-    return OPERAND_COPIES.get(n.op, 1)
-
-
-def oversized_edges(root: Node) -> set[int]:
-    """An `inline` edge to materialise when the kernel's expression, as the renderers
-    write it (each inline operand written out at every read), exceeds MAX_EXPRESSION
-    ops: a chain of steps that each read their operand twice doubles the source per
-    step (a 600-step random program rendered 1.5 GB of C++).  The edge whose target's
-    copies weigh most (and any whose copies alone exceed the limit); empty when the
-    kernel is small enough."""
-    order, seen = [], set()
-    stack = [(root, False)]
-    while stack:  # post-order over the inline edges
-        n, done = stack.pop()
-        if done:
-            order.append(n)
-        elif id(n) not in seen:
-            seen.add(id(n))
-            stack.append((n, True))
-            stack.extend((t, False) for _, t in inline_edges(n))
-    weight = {id(n): operand_copies(n) for n in order}
-    size: dict[int, int] = {}
-    for n in order:
-        size[id(n)] = 1 + sum(size[id(t)] * weight[id(n)] for _, t in inline_edges(n))
-    if size[id(root)] <= MAX_EXPRESSION:
-        return set()
-    copies = {id(root): 1}
-    edge_of: dict[int, int] = {}
-    for n in reversed(order):  # parents before children
-        for edge, t in inline_edges(n):
-            copies[id(t)] = copies.get(id(t), 0) + copies[id(n)] * weight[id(n)]
-            edge_of[id(t)] = id(edge)
-    repeated = [n for n in order if copies[id(n)] >= 2 and id(n) in edge_of]
-    if not repeated:
-        return set()
-    worst = max(repeated, key=lambda n: (copies[id(n)] - 1) * size[id(n)])
-    heavy = {edge_of[id(n)] for n in repeated if copies[id(n)] * size[id(n)] > MAX_EXPRESSION}
-    return heavy | {edge_of[id(worst)]}  # (every target whose copies alone exceed the budget, at once)
 
 
 def lower_kernel(kernel: Kernel, buffer_names: dict[int, str], exact_mean: bool = False) -> LoopKernel:
@@ -133,6 +78,9 @@ def lower_kernel(kernel: Kernel, buffer_names: dict[int, str], exact_mean: bool 
     params += [Param(buffer_names[id(n)], n.dtype, "out") for n in kernel.extra_outputs]
     out = LoopKernel(kernel.name, params, lowering.outer, lowering.inner, lowering.reductions,
                      buffer_names[id(root)], out_index, value, not reduce_root, extra_stores=extra)
+    problem = out_of_bounds(out, {buffer_names[id(n)]: n.numel for n in (*kernel.inputs, root, *kernel.extra_outputs)})
+    if problem:  # (a lowering bug: refused here rather than read or written past a buffer)
+        raise CodegenError(f"{kernel.name} would access memory outside a buffer: {problem}")
     _stash_last_reduction(out, root.dtype)
     return out
 

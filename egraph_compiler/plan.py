@@ -20,7 +20,8 @@ from . import ops
 from .cost import ELEMENTWISE, DeviceProfile, extra_passes, itemsize, kernel_cost, op_flops, repeats
 from .errors import CodegenError
 from .graph import Graph, Node, rebuild, topo_order, type_str, view_chain, view_source
-from .lower import illegal_edges, oversized_edges
+from .expression_size import oversized_edges
+from .lower import illegal_edges
 
 
 

@@ -1,7 +1,7 @@
 """Soak test: as many random programs as time allows, in parallel processes.
 
     python -m tests.soak --minutes 5 [--workers 2] [--seed 0] [--out soak_failures.txt]
-                         [--minimize-minutes 3]
+                         [--minimize-minutes 3] [--target triton] [--asan]
     python -m tests.soak --minimize soak_failures.txt.json [--minimize-minutes 3]
 
 Each worker draws programs from `tests/programs.py`'s generator with a seeded
@@ -15,6 +15,12 @@ or shrink it later).  With `--minimize-minutes M`, the first program of each
 distinct failure is shrunk for up to M minutes (the same kind of failure must
 persist) and the minimal program written to `--out`.min.txt.
 
+Out-of-bounds accesses are caught where they are made: with `--target triton` under
+TRITON_INTERPRET=1 every load and store is checked against the kernel's tensors
+(tests/triton_bounds.py); with `--asan` the C++ kernels are built with AddressSanitizer
+(a worker it stops is a crash, its report on stderr; such a crash is not shrunk, as the
+shrinker runs programs in its own process).
+
 Exit status: 1 if any program was wrong, crashed, raised an
 EgraphCompilerError or could not be generated; 0 otherwise.
 """
@@ -27,6 +33,7 @@ import multiprocessing as mp
 import os
 import queue as queue_mod
 import random
+import subprocess
 import sys
 import tempfile
 import time
@@ -41,6 +48,22 @@ def _setup_env(cache_dir: str, omp_threads: int):
     # spinning on the cores the other workers need
     os.environ.setdefault("OMP_NUM_THREADS", str(omp_threads))
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+ASAN_ENV = "EGC_SOAK_ASAN"
+
+
+def _preload_asan():
+    """The workers (spawned: a fresh Python) start with libasan preloaded, as a program built with
+    -fsanitize=address and loaded into a process must; leaks are not reported (Python keeps its
+    objects at exit), an error stops the worker (a crash, with ASan's report on stderr)."""
+    cxx = os.environ.get("CXX", "g++")
+    lib = subprocess.run([cxx, "-print-file-name=libasan.so"], capture_output=True, text=True).stdout.strip()
+    if not os.path.isabs(lib):
+        raise SystemExit(f"--asan: {cxx} has no libasan.so (install the compiler's AddressSanitizer runtime)")
+    os.environ["LD_PRELOAD"] = " ".join(filter(None, [lib, os.environ.get("LD_PRELOAD")]))
+    os.environ.setdefault("ASAN_OPTIONS", "detect_leaks=0")
+    os.environ[ASAN_ENV] = "1"
 
 
 def _pick_mode(rng: random.Random) -> str:
@@ -63,6 +86,9 @@ def _worker(wid: int, seed: int, deadline: float, out_q, first_index: int = 0, c
     if os.environ.get("TRITON_INTERPRET") == "1":  # an access past a tensor fails where it is made
         from tests import triton_bounds
         triton_bounds.install()
+    if os.environ.get(ASAN_ENV):  # C++ kernels built with AddressSanitizer (its runtime is preloaded)
+        from egraph_compiler import cache
+        cache.CXXFLAGS.append("-fsanitize=address")
     torch.set_num_threads(1)
     i = first_index
     while time.time() < deadline:
@@ -263,7 +289,12 @@ def main(argv=None):
     ap.add_argument("--minimize-minutes", type=float, default=0.0,
                     help="after the run, shrink each distinct failure for up to this long")
     ap.add_argument("--minimize", metavar="JSON", help="shrink the failures saved by an earlier run, then stop")
+    ap.add_argument("--asan", action="store_true",
+                    help="build the C++ kernels with AddressSanitizer and run the workers with its runtime "
+                         "preloaded: a read or write past a buffer stops the worker with ASan's report")
     args = ap.parse_args(argv)
+    if args.asan:
+        _preload_asan()
     cache = tempfile.mkdtemp(prefix="egc-soak-cache-")
     _setup_env(cache, args.omp_threads)
     if args.minimize:

@@ -646,9 +646,9 @@ def test_an_egraph_that_is_not_the_program_sent_is_refused(monkeypatch):
 def test_a_chain_that_reads_each_step_twice_renders_a_bounded_kernel(monkeypatch):
     """Soak 4242 (a `deep` program): fused steps that each read their operand more than once, written
     out at every read, doubled the source per step (1.5 GB of C++: g++ killed, a hang for the user).
-    A kernel whose written-out expression would pass lower.MAX_EXPRESSION ops materialises the
+    A kernel whose written-out expression would pass expression_size.MAX_EXPRESSION ops materialises the
     repeated operand instead (here with a small limit, so that the chain must be cut)."""
-    from egraph_compiler import lower
+    from egraph_compiler import expression_size
     from egraph_compiler.loopir import Call
 
     def chain(x):
@@ -659,9 +659,9 @@ def test_a_chain_that_reads_each_step_twice_renders_a_bounded_kernel(monkeypatch
     def written(e) -> int:  # ops of an expression written out as a tree
         return 1 + sum(written(a) for a in e.args) if isinstance(e, Call) else 1
     x = torch.randn(4, 8) * 0.1
-    monkeypatch.setattr(lower, "MAX_EXPRESSION", 10 ** 9)
+    monkeypatch.setattr(expression_size, "MAX_EXPRESSION", 10 ** 9)
     unlimited = egc.compile(chain, [x])
-    monkeypatch.setattr(lower, "MAX_EXPRESSION", 64)
+    monkeypatch.setattr(expression_size, "MAX_EXPRESSION", 64)
     compiled = egc.compile(chain, [x])
     assert len(compiled.plan.kernels) > len(unlimited.plan.kernels), str(compiled.plan)
     assert len(compiled.source) < len(unlimited.source) / 10
@@ -700,20 +700,20 @@ def test_a_chain_of_silu_renders_a_bounded_kernel(monkeypatch):
     """Soak 6060: silu(x) = x / (1 + exp(-x)) writes its operand twice (gelu_tanh five times, x**2
     twice), so a fused chain of them doubled its source per step while the size check counted
     each op once: two 6.8 MB lines of C++, g++ ran for minutes (a hang).  The check now counts the
-    copies the renderers write (lower.OPERAND_COPIES, held to both targets' templates here)."""
-    from egraph_compiler import lower
+    copies the renderers write (expression_size.OPERAND_COPIES, held to both targets' templates here)."""
+    from egraph_compiler import expression_size
     from egraph_compiler.codegen import cpp, triton
     for target in (cpp.TARGET, triton.TABLE):
         for op, template in target.ops.items():
-            assert template.count("{0}") <= lower.OPERAND_COPIES.get(op, 1), (target.name, op, template)
+            assert template.count("{0}") <= expression_size.OPERAND_COPIES.get(op, 1), (target.name, op, template)
         for exponent, template in target.pow_special.items():
-            assert template.count("{0}") <= lower.POW_COPIES.get(exponent, 1), (target.name, exponent)
+            assert template.count("{0}") <= expression_size.POW_COPIES.get(exponent, 1), (target.name, exponent)
 
     def chain(x):
         for _ in range(10):
             x = F.silu(x) * 0.5
         return x
-    monkeypatch.setattr(lower, "MAX_EXPRESSION", 64)
+    monkeypatch.setattr(expression_size, "MAX_EXPRESSION", 64)
     x = torch.randn(4, 8)
     compiled = egc.compile(chain, [x])
     assert max(len(line) for line in compiled.source.splitlines()) < 10_000
@@ -928,3 +928,19 @@ def test_pow_of_a_one_element_base_over_a_block_of_exponents(target):
     if target == "triton":  # (a GPU's compiler takes the broadcast base too)
         from egraph_compiler.codegen.triton_build import compile_for_gpu
         compile_for_gpu(modules)
+
+
+def test_every_lowered_kernel_is_checked_for_accesses_outside_its_buffers():
+    """loopir.out_of_bounds, which lower_kernel runs on every kernel: a load whose index passes its
+    buffer's end, and one whose loop variable is bounded below its loop's extent (x.sum() of 2
+    elements lowered in a kernel whose rows run 4: its index looked in bounds and was not)."""
+    from egraph_compiler.loopir import Affine, Load, LoopKernel, Param, Reduction, out_of_bounds
+    params = [Param("x", "float32", "in"), Param("y", "float32", "out")]
+
+    def kernel(index, inner=4):
+        return LoopKernel("k", params, 1, inner, [Reduction("acc0", "sum", Load("x", index), "float32")],
+                          "y", Affine(), Load("x", Affine()), False)
+    assert out_of_bounds(kernel(Affine.var("r", 4)), {"x": 4, "y": 1}) is None
+    assert "element 3 of its 2" in out_of_bounds(kernel(Affine.var("r", 4)), {"x": 2, "y": 1})
+    assert "loop runs it to 4" in out_of_bounds(kernel(Affine.var("r", 2)), {"x": 2, "y": 1})
+    assert out_of_bounds(kernel(Affine.var("r", 2), inner=2), {"x": 2, "y": 1}) is None
