@@ -171,6 +171,8 @@ def out_of_bounds(k: "LoopKernel", numels: dict[str, int]) -> str | None:
     accesses = [(e.param, e.index) for v in made for e in loads(v)]
     accesses += [(p, i) for p, i, _, inner in stores if k.inner or not inner]
     for param, index in accesses:
+        if param not in numels and param != STASH:
+            return f"it reads {param}, which is not one of its parameters"
         short = [(name, bound) for name, bound in _bounded_variables(index) if name in loops and bound < loops[name]]
         if short:
             name, bound = short[0]

@@ -51,7 +51,7 @@ def share_results(plan: Plan, profile: DeviceProfile) -> Plan:
         first, later = (users[at], users[at + 1:]) if at < len(users) else (None, [])
         if not later:
             continue
-        bodies = [kernel_body(k.output, k.stored | {id(value)}, fused=k.fused) for k in later]
+        bodies = [_body(k, k.stored | {id(value)}, k.fused) for k in later]
         saved = sum(_bytes(k.inputs) - _bytes(inputs) for k, (_, inputs) in zip(later, bodies))
         if saved <= _bytes([value]):  # the store costs one write of the value
             continue
@@ -61,6 +61,19 @@ def share_results(plan: Plan, profile: DeviceProfile) -> Plan:
             k.stored, k.ops, k.inputs = k.stored | {id(value)}, body, inputs
             estimate(k, profile)
     return plan
+
+
+def _body(k: Kernel, stored: frozenset, fused: frozenset) -> tuple[list[Node], list[Node]]:
+    """kernel_body of a kernel that also stores values beside its output: what it computes and
+    reads for its output, then for each of those values (one taken in beside the output reads
+    what the output may no longer read once another value is stored: a random program's kernel
+    lost an input that way, and its extra store read a buffer it was not passed)."""
+    body, inputs = kernel_body(k.output, stored, fused=fused)
+    for n in k.extra_outputs:
+        more, reads = kernel_body(n, stored, fused=fused)
+        body += [m for m in more if not any(m is b for b in body)]
+        inputs += [i for i in reads if not any(i is j for j in inputs)]
+    return body, inputs
 
 
 def _storable(kernel: Kernel, value: Node) -> bool:
@@ -133,7 +146,7 @@ def _absorb(plan: Plan, p: Kernel, k: Kernel, profile: DeviceProfile, siblings) 
     if any(n is value for q in between for i in q.inputs for n in view_chain(i)):  # (it, or a view of it)
         return False
     fused = k.fused | ({id(value)} if reads else set()) | ({id(i) for i in p.inputs if id(i) in own} if beside else set())
-    body, inputs = kernel_body(k.output, k.stored, fused=fused)
+    body, inputs = _body(k, k.stored, fused)
     trial = Kernel(k.name, "generated", k.output, body, inputs, extra_outputs=k.extra_outputs + [value],
                    stored=k.stored, fused=fused)
     inside = {id(n) for n in body}  # (what `k` computes beside its output's body stays, `p`'s joins)

@@ -55,13 +55,16 @@ ASAN_ENV = "EGC_SOAK_ASAN"
 
 def _preload_asan():
     """The workers (spawned: a fresh Python) start with libasan preloaded, as a program built with
-    -fsanitize=address and loaded into a process must; leaks are not reported (Python keeps its
-    objects at exit), an error stops the worker (a crash, with ASan's report on stderr)."""
+    -fsanitize=address and loaded into a process must, and libstdc++ with it (without it ASan's
+    interceptor of C++ throws finds no __cxa_throw, and torch's first C++ error aborts the worker);
+    leaks are not reported (Python keeps its objects at exit); an error stops the worker (a crash,
+    with ASan's report on stderr)."""
     cxx = os.environ.get("CXX", "g++")
-    lib = subprocess.run([cxx, "-print-file-name=libasan.so"], capture_output=True, text=True).stdout.strip()
-    if not os.path.isabs(lib):
+    libs = [subprocess.run([cxx, f"-print-file-name={name}"], capture_output=True, text=True).stdout.strip()
+            for name in ("libasan.so", "libstdc++.so.6")]
+    if not all(os.path.isabs(lib) for lib in libs):
         raise SystemExit(f"--asan: {cxx} has no libasan.so (install the compiler's AddressSanitizer runtime)")
-    os.environ["LD_PRELOAD"] = " ".join(filter(None, [lib, os.environ.get("LD_PRELOAD")]))
+    os.environ["LD_PRELOAD"] = " ".join(filter(None, [*libs, os.environ.get("LD_PRELOAD")]))
     os.environ.setdefault("ASAN_OPTIONS", "detect_leaks=0")
     os.environ[ASAN_ENV] = "1"
 
@@ -143,7 +146,8 @@ class Soak:
             self.ill[error_type] += 1
         if kind in ("wrong", "crash", "error", "invalid"):
             self.failures.append(dict(key=key, mode=mode, choices=choices, description=description, kind=kind,
-                                      error_type=error_type, detail=detail, signature=signature))
+                                      error_type=error_type, detail=detail, signature=signature,
+                                      check=self.check_kwargs))  # (the target and device, for the shrinker)
             print(f"[{self.counts['checked']}] {kind} {error_type} {key}: {detail.splitlines()[0][:160]}", flush=True)
 
     def run(self):
@@ -237,10 +241,11 @@ def _minimize_one(fail, budget_s, verbose=False):
         triton_bounds.install()
     torch.set_num_threads(1)
     start = time.time()
+    check = fail.get("check") or {}  # (a failure on the Triton target is shrunk on that target)
     program, choices = P.shrink(fail["choices"], fail["mode"],
-                                _same_failure(fail["kind"], fail["error_type"], fail["signature"]), budget_s,
+                                _same_failure(fail["kind"], fail["error_type"], fail["signature"], check), budget_s,
                                 log=lambda m: print(f"[{fail['key']}] {m}", flush=True) if verbose else None)
-    outcome = P.check(program)
+    outcome = P.check(program, **check)
     return dict(fail, choices=choices, description=P.describe(program), detail=outcome.detail,
                 min_kind=outcome.kind, seconds=time.time() - start)
 
