@@ -297,10 +297,11 @@ class _Lowering:
         full = [None] * len(src)
         for d, i in zip(kept, row):
             full[d] = i
-        if count == 1:  # one element: the reduction is its operand
-            for d in dims:
+        if count == 1:  # one element: the reduction is its operand, in the reduction's dtype (a sum
+            for d in dims:  # of bools is an int64: negated as a bool, Triton's int1 -true is true)
                 full[d] = Affine()
-            return self.operand(node.args[0], full)
+            value = self.operand(node.args[0], full)
+            return value if node.args[0].dtype == node.dtype else Call("cast", (value,), node.dtype)
         key = (id(node), tuple(str(i) for i in row))
         if key not in self._accs:
             reduced = ([Affine.var(f"red{len(self._accs)}_{len(self.found)}_{d}", src[d]) for d in dims]

@@ -944,3 +944,17 @@ def test_every_lowered_kernel_is_checked_for_accesses_outside_its_buffers():
     assert "element 3 of its 2" in out_of_bounds(kernel(Affine.var("r", 4)), {"x": 2, "y": 1})
     assert "loop runs it to 4" in out_of_bounds(kernel(Affine.var("r", 2)), {"x": 2, "y": 1})
     assert out_of_bounds(kernel(Affine.var("r", 2), inner=2), {"x": 2, "y": 1}) is None
+
+
+@pytest.mark.parametrize("target", ["cpu", "triton"])
+def test_a_sum_of_one_bool_is_an_integer_when_negated(target):
+    """Soak 19004:6:2 (H200 box, Triton 3.6's interpreter refused a bool subtraction): a sum over
+    one element lowers to its operand, and a sum of bools kept the bool's type, so `-s` negated a
+    bool: C++ promotes it to int (-1, right by accident), Triton's int1 negation wraps (-true is
+    true), so the result was 2 off on the Triton target.  The operand is cast to the sum's dtype."""
+    def f(a, b):
+        s = (a != b)[:, 0:1].sum(1, keepdim=True)
+        return (-s).float() + 0.25
+    a, b = torch.randint(0, 2, (4, 2, 8)).float(), torch.randint(0, 2, (4, 2, 8)).float()
+    b[0] = 1 - a[0]  # (some elements differ, for certain)
+    torch.testing.assert_close(egc.compile(f, [a, b], target=target)(a, b), f(a, b))
