@@ -43,11 +43,17 @@ def _binary(op):
     def convert(a, b, alpha=1):
         if op in ops.COMPARISONS:  # an integer tensor against a float: compared in the float's dtype
             a, b = (_float_if_int(x, y) for x, y in ((a, b), (b, a)))
+        if op == "add" and alpha == 1 and _bool(a) and (_bool(b) or isinstance(b, bool)):
+            return Node.make("maximum", (_t(a), _t(b)))  # (bools add as a logical or; targets' + carries)
         b = _t(b)
         if alpha != 1:
             b = Node.make("mul", (b, const(alpha)))
         return Node.make(op, (_t(a), b))
     return convert
+
+
+def _bool(x) -> bool:
+    return isinstance(x, Node) and x.dtype == "bool"
 
 
 def _float_if_int(x, other):

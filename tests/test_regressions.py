@@ -958,3 +958,24 @@ def test_a_sum_of_one_bool_is_an_integer_when_negated(target):
     a, b = torch.randint(0, 2, (4, 2, 8)).float(), torch.randint(0, 2, (4, 2, 8)).float()
     b[0] = 1 - a[0]  # (some elements differ, for certain)
     torch.testing.assert_close(egc.compile(f, [a, b], target=target)(a, b), f(a, b))
+
+
+BOOL_ADDS = {
+    "bool": lambda a, b: (a > 0) + (b > 0),
+    "as_float": lambda a, b: ((a > 0) + (b > 0)).float() * 2,
+    "summed": lambda a, b: ((a > 0) + (b > 0)).sum(-1),
+    "scalar": lambda a, b: ((a > 0) + True).float() + (b > 0),
+}
+
+
+@pytest.mark.parametrize("target", ["cpu", "triton"])
+@pytest.mark.parametrize("case", sorted(BOOL_ADDS))
+def test_bools_add_as_a_logical_or(case, target):
+    """Found beside the bool negation above: torch adds bools as a logical or (True + True is True),
+    and both targets' `+` carried (C++: 2, then 2.0 once cast to float; Triton's int1: False).  The
+    capture writes it as a maximum."""
+    fn = BOOL_ADDS[case]
+    a, b = torch.randn(4, 8), torch.randn(4, 8)
+    b[0] = a[0]  # (rows where both are positive, for certain)
+    got = egc.compile(fn, [a, b], target=target)(a, b)
+    assert got.dtype == fn(a, b).dtype and torch.equal(got, fn(a, b))
