@@ -224,3 +224,18 @@ def test_a_reduction_over_fewer_elements_than_the_kernels_rows_is_not_stored_per
     compiled = egc.compile(f, [x], target=target)
     for got, want in zip(compiled(x), f(x)):
         torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("target", ["cpu", "triton"])
+def test_a_kernel_keeps_the_inputs_of_the_values_it_stores_beside_its_output(target):
+    """Soak 19004:3:36 (H200 box), made by hand: `(x * w).amax` is taken beside relu(v) * w, which
+    reads x for v = x * y + z; share_results then had that kernel read v from softmax's kernel
+    instead, and recomputed its inputs from its output alone: x went, and the amax read a buffer
+    the kernel was not passed (C++: a compile error; Triton: KeyError 'in0')."""
+    def f(x, y, z, w):
+        v = x * y + z
+        return torch.softmax(v, -1), torch.relu(v) * w, (x * w).amax(-1, keepdim=True)
+    args = [torch.randn(8, 32) for _ in range(4)]
+    compiled = egc.compile(f, args, target=target)
+    for got, want in zip(compiled(*args), f(*args)):
+        torch.testing.assert_close(got, want)
