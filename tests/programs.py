@@ -409,6 +409,14 @@ def _where(c: _Ctx, x: Val):
     c.emit(f"torch.where({cond.name}, {a_name}, {b_name})", x)
 
 
+def _bool_arith(c: _Ctx, x: Val):
+    """Arithmetic on bools, as torch defines it: + is a logical or, * an and (both targets' own
+    + carried, and Triton's int1 wrapped: TESTING.md, nineteenth session), and the logical ops."""
+    y = c.partner(lambda v: v.kind == "bool" and _broadcasts(x, v)) or x
+    c.emit(c.d.choice(["{x} + {y}", "{x} * {y}", "{x} | {y}", "{x} ^ {y}", "~{x}", "({x} + True) * {y}"])
+           .format(x=x.name, y=y.name), x)
+
+
 def _mask_mul(c: _Ctx, x: Val):
     m = c.partner(lambda v: v.kind == "bool" and _broadcasts(x, v))
     if m is None:
@@ -915,7 +923,7 @@ KINDS = {
     + [_compare, _where, _mask_mul, _cast, _aten, _constant, _gather, _spatial] + [_rule] * 4,
     "int": [_nothing] + [_int_arith] * 4 + [_view, _view, _reduce, _reduce, _compare, _compare, _where, _mask_mul]
     + [_cast] * 2 + [_constant, _gather],
-    "bool": [_nothing, _cast, _cast, _view, _reduce, _where, _where, _compare, _constant, _gather],
+    "bool": [_nothing, _cast, _cast, _view, _reduce, _where, _where, _compare, _constant, _gather, _bool_arith],
 }
 SHAPES = {"BRC": lambda B, R, C: (B, R, C), "RC": lambda B, R, C: (R, C), "C": lambda B, R, C: (C,),
           "R1": lambda B, R, C: (R, 1), "1C": lambda B, R, C: (1, C), "": lambda B, R, C: (),
