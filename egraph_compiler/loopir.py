@@ -165,11 +165,11 @@ def out_of_bounds(k: "LoopKernel", numels: dict[str, int]) -> str | None:
     loops = {"o": k.outer, "r": k.inner}
     if k.outer == 0:
         return None  # (nothing runs)
-    stores = [(k.store_param, k.store_index, k.value, k.store_in_inner)] + list(k.extra_stores)
-    made = [red.body for red in k.reductions] + [v for _, _, v, inner in stores if inner] if k.inner else []
-    made += [v for _, _, v, inner in stores if not inner]  # (a loop of no rows runs no reduction nor inner store)
-    accesses = [(e.param, e.index) for v in made for e in loads(v)]
-    accesses += [(p, i) for p, i, _, inner in stores if k.inner or not inner]
+    # (a loop of no rows runs no reduction nor store in the inner loop)
+    stores = [s for s in [(k.store_param, k.store_index, k.value, k.store_in_inner)] + list(k.extra_stores)
+              if k.inner or not s[3]]
+    made = [v for _, _, v, _ in stores] + ([red.body for red in k.reductions] if k.inner else [])
+    accesses = [(e.param, e.index) for v in made for e in loads(v)] + [(p, i) for p, i, _, _ in stores]
     for param, index in accesses:
         if param not in numels and param != STASH:
             return f"it reads {param}, which is not one of its parameters"
@@ -177,7 +177,7 @@ def out_of_bounds(k: "LoopKernel", numels: dict[str, int]) -> str | None:
         if short:
             name, bound = short[0]
             return f"{param}[{index}] takes {name} below {bound}, and the loop runs it to {loops[name]}"
-        if param in numels and index.upper() > numels[param]:
+        if param != STASH and index.upper() > numels[param]:
             return f"{param}[{index}] reaches element {index.upper() - 1} of its {numels[param]}"
     return None
 

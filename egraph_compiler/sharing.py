@@ -69,10 +69,11 @@ def _body(k: Kernel, stored: frozenset, fused: frozenset) -> tuple[list[Node], l
     what the output may no longer read once another value is stored: a random program's kernel
     lost an input that way, and its extra store read a buffer it was not passed)."""
     body, inputs = kernel_body(k.output, stored, fused=fused)
+    computed, read = {id(n) for n in body}, {id(n) for n in inputs}
     for n in k.extra_outputs:
         more, reads = kernel_body(n, stored, fused=fused)
-        body += [m for m in more if not any(m is b for b in body)]
-        inputs += [i for i in reads if not any(i is j for j in inputs)]
+        body += [m for m in more if id(m) not in computed and not computed.add(id(m))]
+        inputs += [i for i in reads if id(i) not in read and not read.add(id(i))]
     return body, inputs
 
 

@@ -69,6 +69,19 @@ def _preload_asan():
     os.environ[ASAN_ENV] = "1"
 
 
+def _memory_checks():
+    """In a worker or the shrinker: an access past a tensor fails where it is made, under the
+    Triton interpreter (tests/triton_bounds.py) or, with --asan, in C++ kernels built with
+    AddressSanitizer (its runtime preloaded by `_preload_asan`)."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        from tests import triton_bounds
+        triton_bounds.install()
+    if os.environ.get(ASAN_ENV):
+        from egraph_compiler import cache
+        if "-fsanitize=address" not in cache.CXXFLAGS:
+            cache.CXXFLAGS.append("-fsanitize=address")
+
+
 def _pick_mode(rng: random.Random) -> str:
     total = sum(w for _, w in MODE_WEIGHTS)
     x = rng.uniform(0, total)
@@ -86,12 +99,7 @@ def _worker(wid: int, seed: int, deadline: float, out_q, first_index: int = 0, c
 
     from tests import programs as P
     faulthandler.enable()  # a worker killed by a signal prints where it was
-    if os.environ.get("TRITON_INTERPRET") == "1":  # an access past a tensor fails where it is made
-        from tests import triton_bounds
-        triton_bounds.install()
-    if os.environ.get(ASAN_ENV):  # C++ kernels built with AddressSanitizer (its runtime is preloaded)
-        from egraph_compiler import cache
-        cache.CXXFLAGS.append("-fsanitize=address")
+    _memory_checks()
     torch.set_num_threads(1)
     i = first_index
     while time.time() < deadline:
@@ -236,9 +244,7 @@ def _minimize_one(fail, budget_s, verbose=False):
     import torch
 
     from tests import programs as P
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        from tests import triton_bounds
-        triton_bounds.install()
+    _memory_checks()
     torch.set_num_threads(1)
     start = time.time()
     check = fail.get("check") or {}  # (a failure on the Triton target is shrunk on that target)
