@@ -66,7 +66,17 @@ def export_aten(module: torch.nn.Module, example_inputs, dynamic_shapes=None) ->
                                                   dynamic_shapes=dynamic_shapes)
             except Exception as exc:  # torch's own message names the failing construct
                 raise CaptureError(f"torch.export could not capture the program: {exc}") from exc
-        return program.run_decompositions({})
+        return program if _functional_already(program) else program.run_decompositions({})
+
+
+def _functional_already(program) -> bool:
+    """The exported graph is one `run_decompositions({})` would leave as it is: every op one the
+    converters map (none in place, no higher-order op such as an autocast region) and no input or
+    buffer mutated.  Skipping it saves 0.15-0.5 s of each capture (it re-traces the program)."""
+    if any(spec.kind.name != "USER_OUTPUT" for spec in program.graph_signature.output_specs):
+        return False
+    return all(n.op != "call_function" or n.target in TABLE or n.target is operator.getitem
+               for n in program.graph_module.graph.nodes)
 
 
 def capture(fn, example_inputs) -> tuple[Graph, str]:

@@ -33,6 +33,7 @@ ill; invalid (a generator bug).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import linecache
 import math
@@ -226,6 +227,7 @@ class _Ctx:
         self.live: list[Val] = []
         self.steps: list[Step] = []
         self.fallbacks = 0
+        self._meta: dict[str, tuple] = {}  # name -> (value, its meta tensor): _too_big converts each value once
 
     def emit(self, expr: str, fallback: Val, cmp=None, tentative: bool = False) -> Val | None:
         """Evaluates the step now (eager semantics decide its shape and dtype).
@@ -262,7 +264,7 @@ class _Ctx:
     def _too_big(self, expr: str) -> bool:
         """The step, run on meta tensors: is its result, or any value inside it
         (`(a @ b.mT) @ c` builds a score matrix nobody returns), over the limit?"""
-        meta = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in self.env.items()}
+        meta = {k: self._as_meta(k, self.env[k]) for k in set(re.findall(r"\w+", expr)) if k in self.env}
         sizes = _LargestValue()
         try:
             with warnings.catch_warnings(), sizes:
@@ -271,6 +273,14 @@ class _Ctx:
         except Exception:  # noqa: BLE001 - no meta kernel, or data-dependent: the real run decides
             return False
         return sizes.largest > _limit or (isinstance(value, torch.Tensor) and value.dim() > MAX_RANK)
+
+    def _as_meta(self, name: str, value):
+        if not isinstance(value, torch.Tensor):
+            return value
+        cached = self._meta.get(name)
+        if cached is None or cached[0] is not value:
+            cached = self._meta[name] = (value, value.to("meta"))
+        return cached[1]
 
     def _attention_unrunnable(self, expr: str) -> bool:
         """Attention whose scores would be over the limit, or over empty tensors (eager torch 2.11's
@@ -312,11 +322,16 @@ class _LargestValue(TorchDispatchMode):
 
 
 def _broadcasts(a: Val, b: Val) -> bool:
+    return _broadcast_fits(tuple(a.shape), tuple(b.shape), _limit)
+
+
+@functools.lru_cache(maxsize=65536)  # generation asks about the same pairs of shapes many times over
+def _broadcast_fits(a: tuple, b: tuple, limit: int) -> bool:
     try:
-        shape = torch.broadcast_shapes(a.shape, b.shape)
+        shape = torch.broadcast_shapes(a, b)
     except RuntimeError:
         return False
-    return len(shape) <= MAX_RANK and math.prod(shape) <= _limit
+    return len(shape) <= MAX_RANK and math.prod(shape) <= limit
 
 
 def _dim(d: Drawer, rank: int) -> int:

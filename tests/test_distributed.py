@@ -2,7 +2,8 @@
 the gloo backend, started by the test.  `DDP(torch.compile(model,
 backend="egraph"))` compiles each rank's forward and backward graphs through
 the pipeline, and after a few optimizer steps its parameters match eager DDP's
-(an MLP, GPT-2, LLaMA with grouped-query attention).
+(an MLP and GPT-2; LLaMA with grouped-query attention goes through FSDP2, each model
+through one of the two, to keep the suite's time: each test starts two processes).
 `torch.compile(DDP(model), backend="egraph")`: Dynamo skips DDP's forward (as it
 does for Inductor in torch 2.13), so the model runs eagerly and the backend is
 never called; the README says to wrap the compiled model in DDP instead.
@@ -116,7 +117,7 @@ def _run(name: str, order: str) -> dict:
         return dict(results)
 
 
-@pytest.mark.parametrize("name", ["mlp", "gpt2", "llama_gqa"])
+@pytest.mark.parametrize("name", ["mlp", "gpt2"])
 def test_ddp_of_a_compiled_model_matches_eager_ddp(name):
     results = _run(name, "ddp_of_compiled")
     assert sorted(results) == list(range(WORLD))
@@ -125,7 +126,7 @@ def test_ddp_of_a_compiled_model_matches_eager_ddp(name):
         assert relative_diff < 1e-3, f"rank {rank}: parameters differ from eager DDP's by {relative_diff:.2e}"
 
 
-@pytest.mark.parametrize("name", ["blocks", "gpt2", "llama_gqa"])
+@pytest.mark.parametrize("name", ["blocks", "llama_gqa"])
 def test_fsdp2_sharded_model_compiled_matches_eager_fsdp2(name):
     """fully_shard per block, then torch.compile(model, backend="egraph"): Dynamo breaks
     the graph at FSDP's hooks (which gather and free parameters) and compiles each
