@@ -70,13 +70,20 @@ def export_aten(module: torch.nn.Module, example_inputs, dynamic_shapes=None) ->
 
 
 def _functional_already(program) -> bool:
-    """The exported graph is one `run_decompositions({})` would leave as it is: every op one the
-    converters map (none in place, no higher-order op such as an autocast region) and no input or
-    buffer mutated.  Skipping it saves 0.15-0.5 s of each capture (it re-traces the program)."""
+    """The exported graph is one `run_decompositions({})` would only rename: no input or buffer
+    mutated, and every op one the converters map or one decomposition keeps whole (functional,
+    without an implicit decomposition: it runs through ATen either way); no in-place op, no
+    higher-order op such as an autocast region.  Skipping it saves 0.15-0.5 s of each capture
+    (it traces the program again)."""
     if any(spec.kind.name != "USER_OUTPUT" for spec in program.graph_signature.output_specs):
         return False
-    return all(n.op != "call_function" or n.target in TABLE or n.target is operator.getitem
+    return all(n.op != "call_function" or n.target in TABLE or n.target is operator.getitem or _kept_whole(n.target)
                for n in program.graph_module.graph.nodes)
+
+
+def _kept_whole(target) -> bool:
+    return (isinstance(target, torch._ops.OpOverload) and not target._schema.is_mutable
+            and not torch._C._dispatch_has_kernel_for_dispatch_key(target.name(), "CompositeImplicitAutograd"))
 
 
 def capture(fn, example_inputs) -> tuple[Graph, str]:
