@@ -82,8 +82,15 @@ def _functional_already(program) -> bool:
 
 
 def _kept_whole(target) -> bool:
-    return (isinstance(target, torch._ops.OpOverload) and not target._schema.is_mutable
-            and not torch._C._dispatch_has_kernel_for_dispatch_key(target.name(), "CompositeImplicitAutograd"))
+    if not isinstance(target, torch._ops.OpOverload) or target._schema.is_mutable:
+        return False
+    if torch.Tag.maybe_aliasing_or_mutating in target.tags or target is aten.native_batch_norm.default:
+        return False  # (export always decomposes these: native_batch_norm writes its running statistics
+        # though its schema says it does not, as torch._decomp._should_decompose_because_unsafe_op notes)
+    try:
+        return not torch._C._dispatch_has_kernel_for_dispatch_key(target.name(), "CompositeImplicitAutograd")
+    except RuntimeError:  # an overload the dispatcher does not know: decomposition decides
+        return False
 
 
 def capture(fn, example_inputs) -> tuple[Graph, str]:
