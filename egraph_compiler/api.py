@@ -280,6 +280,11 @@ class _PerSize:
             compiled = compile(gm, tensors, **self.kwargs)
         finally:
             del gm.egc_exported
+        # the key below checks each argument's shape, dtype and device, and Dynamo's guards (and
+        # AOTAutograd's runtime) hold the calls that skip it to those the graph was traced for
+        compiled._executable.checked_by_caller = True
+        if compiled._executable.graphed is not None:  # (strides too: Dynamo guards those of static graphs)
+            compiled._executable.graphed.strides_checked = _static_graph(self.gm)
         self.programs[self._key(args)] = (compiled, slots)
         while len(self.programs) > self.LIMIT:
             del self.programs[next(iter(self.programs))]
@@ -293,6 +298,16 @@ class _PerSize:
         compiled, slots = entry if entry is not None else self.compile(list(args))
         self.programs[key] = (compiled, slots)  # most recently used last
         return _as_tuple(compiled(*(args[i] for i in slots)))
+
+
+def _static_graph(gm) -> bool:
+    """Every input of the graph a tensor of fixed sizes (Dynamo guards such tensors' strides)."""
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            value = node.meta.get("val", node.meta.get("example_value"))
+            if not isinstance(value, torch.Tensor) or not all(isinstance(d, int) for d in value.shape):
+                return False
+    return True
 
 
 def _as_tuple(out) -> tuple:

@@ -7,8 +7,6 @@ torch on views of the same buffers.  Buffers live on the target's device.
 """
 from __future__ import annotations
 
-import functools
-
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -20,6 +18,7 @@ from .codegen.sizes import TEMPLATES
 from .errors import InputError
 from .graph import Graph, Literal, Node, view_source
 from .graphs import GraphedRunner, recorder_for
+from .outputs import COPY, Assembly, flat_sequence, whole_buffer
 from .plan import Plan, release_schedule, verify_plan
 from .steps import TorchSteps, empty, torch_dtype
 
@@ -71,11 +70,16 @@ class Executable:
                         orders.get(n.attr("name"), (None,))[0]) for n in self.graph.inputs  # per user input
                        if n.attr("name") not in bound]
         self._bound_specs = [(n, id(n), bound[n.attr("name")]) for n in self.graph.inputs if n.attr("name") in bound]
+        self._keys = [key for _, key, *_ in self._specs]
+        self._constants = None if any(b.module is not None for _, _, b in self._bound_specs) else \
+            {key: self._check(node, b.get()) for node, key, b in self._bound_specs}  # (folded values)
+        self._permuted = [(i, key, dims) for i, (_, key, _, _, dims) in enumerate(self._specs) if dims is not None]
         self.graphed = None
-        self._replay_actions: dict[bool, list] = {}  # per lending state, each output's (key, read, action)
+        self._assembly: tuple = (None, None)  # (the graph's state it serves, outputs.Assembly) after a replay
+        self.checked_by_caller = False  # api._PerSize: each argument's shape, dtype, device (and strides)
         self._kinds = [self._output_kind(o) for o in self.graph.outputs]
         self._reads = [(id(o), self.steps.getter(o)) for o in self.graph.outputs]  # (each output from the env)
-        self._flat = _flat_sequence(self.graph.results)
+        self._flat = flat_sequence(self.graph.results, Literal)
         self._lent = self._lendable(lend_outputs)
         # a training forward's saved activations: without a graph, handed over as they are (a view
         # of a buffer of this call's with eager's strides, as q, k and v of a qkv buffer), never cloned
@@ -94,16 +98,22 @@ class Executable:
             if any(k.output.group == "collective" for k in plan.kernels):
                 self.graphed.disabled = "the program has collectives, which are not recorded into CUDA graphs"
 
-    @torch.no_grad()  # compiled programs are inference-only: no autograd graph is recorded
     def __call__(self, *args):
+        if torch.is_grad_enabled():  # compiled programs are inference-only: no autograd graph is recorded
+            with torch.no_grad():
+                return self._call(args)
+        return self._call(args)
+
+    def _call(self, args):
         env, owned = self.graphed(self._bind(args)) if self.graphed else (self._run(self._bind(args)), False)
         if owned:
             results = self._replayed(env)
         else:
             saved = self._saved
             results = tuple(self._result(i, env, lend=i in saved) for i in range(len(self.graph.outputs)))
-        self._write_back(args, results)
-        return self._structure(results[:self.graph.user_outputs])
+        if self.graph.mutations:
+            self._write_back(args, results)
+        return self._structure(results)
 
     @torch.no_grad()
     def kernel_times(self, *args, reps: int = 5, inner: int = 5) -> dict[str, float]:
@@ -178,10 +188,12 @@ class Executable:
             env = run(env)
             for node in layouts:
                 value = steps.tensor(node, env)
-                source = env.get(id(view_source(node)))
-                if source is None or value.untyped_storage().data_ptr() != source.untyped_storage().data_ptr():
-                    env[id(node)] = value  # (a true view stays a view, made again from the env)
-            return env
+                origin = view_source(node)
+                source = env.get(id(origin))
+                if source is None or origin.op != "input" or \
+                        value.untyped_storage().data_ptr() != source.untyped_storage().data_ptr():
+                    env[id(node)] = value  # (a view of a caller's tensor stays a view, made again per call;
+            return env  # one of the graph's own buffers is kept: a replay hands it out as it is)
         return recorded
 
     def torch_step(self, kernel, contiguous: bool = True):
@@ -202,10 +214,11 @@ class Executable:
     def _structure(self, results):
         """The user's result structure: dicts, lists, nested tuples, non-tensors passed through."""
         if self.graph.results is None:
+            results = results[:self.graph.user_outputs]
             return results[0] if len(results) == 1 else results
         if self._flat is not None:  # (a flat tuple or list of results: AOTAutograd's graphs, most programs)
-            sequence, leaves = self._flat
-            return sequence(leaf.value if isinstance(leaf, Literal) else results[leaf] for leaf in leaves)
+            sequence, items = self._flat
+            return sequence(items(results))
         spec, leaves = self.graph.results
         return pytree.tree_unflatten([leaf.value if isinstance(leaf, Literal) else results[leaf]
                                       for leaf in leaves], spec)
@@ -227,6 +240,12 @@ class Executable:
         if len(args) != len(self._specs):
             raise InputError(f"expected {len(self._specs)} tensor argument(s) "
                              f"({', '.join(n.attr('name') for n, *_ in self._specs)}), got {len(args)}")
+        if self.checked_by_caller and graphed and self._constants is not None:  # (a replay's host path)
+            env = dict(zip(self._keys, args))
+            for i, key, dims in self._permuted:
+                env[key] = args[i].permute(dims)
+            env.update(self._constants)
+            return env
         env = {}
         for (node, key, shape, dtype, dims), value in zip(self._specs, args):
             if not (isinstance(value, torch.Tensor) and value.dtype == dtype and value.shape == shape
@@ -305,18 +324,15 @@ class Executable:
     def _replayed(self, env) -> tuple:
         """The outputs of a CUDA graph's replay (env's tensors are the graph's own): lent ones the
         graph's buffers, detached; an alias of an input the graph reads in place, detached; the rest
-        copied.  By actions made once per lending state: the host path of a graphed training step,
-        ~40 outputs a call."""
-        lending = self.graphed.lending
-        actions = self._replay_actions.get(lending)
-        if actions is None:
-            actions = self._replay_actions[lending] = [self._replay_action(i, lending)
-                                                       for i in range(len(self.graph.outputs))]
-        results = []
-        for key, read, act in actions:
-            value = env.get(key)
-            results.append(act(read(env) if value is None else value))
-        return tuple(results)
+        copied.  By an assembly made once per recording and lending state (outputs.py): the host
+        path of a graphed training step, ~40-80 outputs a call."""
+        state = (self.graphed.lending, self.graphed.recordings)
+        served, assembly = self._assembly
+        if served != state:
+            actions = [self._replay_action(i, state[0]) for i in range(len(self.graph.outputs))]
+            assembly = Assembly(actions, env.keys())
+            self._assembly = state, assembly
+        return assembly(env)
 
     def _replay_action(self, i: int, lending: bool) -> tuple:
         key, read = self._reads[i]
@@ -325,34 +341,15 @@ class Executable:
             return key, read, torch.Tensor.detach
         if kind == "const":
             return key, read, torch.Tensor.clone
-        copy = functools.partial(torch.Tensor.clone, memory_format=torch.contiguous_format)
         if kind == "alias":  # a view of the caller's input: itself while the graph reads it in place
-            in_place = self.graphed.in_place
-            return key, read, lambda value: value.detach() if in_place(source) else copy(value)
-        return key, read, copy
+            return key, read, torch.Tensor.detach if self.graphed.in_place(source) else COPY
+        return key, read, COPY
 
     def _as_eager(self, i: int, value: torch.Tensor) -> bool:
         """Output `i` is a whole buffer of ours seen through a permutation of its dims, with
         the strides eager gives it (eager's contiguous results stay contiguous: `.view` works)."""
         strides = self.graph.output_strides.get(i)
-        return strides is not None and value.stride() == strides and _whole_buffer(value)
-
-
-def _flat_sequence(results) -> tuple | None:
-    """(tuple or list, its leaves: result indices or Literals) for a result structure that is one
-    flat sequence, which a call then builds without walking the structure; else None."""
-    if results is None:
-        return None
-    spec, leaves = results
-    if spec.type not in (tuple, list) or not all(c.is_leaf() for c in spec.children()):
-        return None
-    return spec.type, tuple(leaves)
-
-
-def _whole_buffer(value: torch.Tensor) -> bool:
-    """The tensor covers its whole storage from its start (with strides of a dense permutation,
-    checked by the caller: no gaps, no repeats), not a part of a larger buffer."""
-    return value.storage_offset() == 0 and value.untyped_storage().nbytes() == value.numel() * value.element_size()
+        return strides is not None and value.stride() == strides and whole_buffer(value)
 
 
 @dataclass

@@ -12,7 +12,7 @@ import egraph_compiler as egc
 from programs import check, failure_message, programs
 from test_differential import fuzz_settings
 from test_dtypes import BIG, INTEGER_ARITHMETIC
-from test_graphs_emulated import _assert_lent, _records_once, _training_steps
+from test_graphs_emulated import _assert_lent, _one_address_two_layouts, _records_once, _training_steps
 from test_masks import _Decoder, spy_attention
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -244,6 +244,11 @@ def test_cuda_graphs_take_strided_inputs_in_place():
         flat = torch.randn(64 * 32, device="cuda")
         for a in (flat.view(64, 32).t(), flat.view(32, 64), flat.view(64, 32).t()):  # one address, two layouts
             torch.testing.assert_close(compiled(a), fn(a), atol=1e-5, rtol=1e-5)
+
+
+def test_cuda_graphs_under_dynamo_read_one_address_in_two_layouts_as_it_is():
+    """Through torch.compile a replay checks addresses only: Dynamo's guards hold the strides."""
+    _one_address_two_layouts("cuda")
 
 
 def test_direct_launches_skip_triton_binding_and_respecialise_on_alignment(monkeypatch):

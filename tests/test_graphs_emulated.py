@@ -112,6 +112,30 @@ def test_strided_inputs_are_made_contiguous_inside_the_graph():
             torch.testing.assert_close(compiled(a), fn(a))
 
 
+def test_under_dynamo_one_address_in_two_layouts_is_not_read_as_the_first():
+    """Through torch.compile a replay checks addresses only (Dynamo's guards hold strides and
+    shapes): a square input at the same address but transposed must still be read as it is."""
+    _one_address_two_layouts("cpu")
+
+
+def _one_address_two_layouts(device: str) -> None:
+    flat = torch.randn(32 * 32, device=device)
+
+    def fn(a, w):
+        return torch.relu(a @ w) + a
+    torch._dynamo.reset()
+    egc.last_plans(clear=True)
+    compiled = torch.compile(fn, backend="egraph", mode="reduce-overhead")
+    w = torch.randn(32, 32, device=device)
+    with torch.no_grad():
+        for a in [flat.view(32, 32)] * 4 + [flat.view(32, 32).t()] * 3 + [flat.view(32, 32)] * 2:
+            torch.testing.assert_close(compiled(a, w), fn(a, w), atol=1e-4, rtol=1e-4)
+        w.t_()  # a weight transposed in place: same address, same shape, new strides
+        for _ in range(3):
+            torch.testing.assert_close(compiled(flat.view(32, 32), w), fn(flat.view(32, 32), w), atol=1e-4, rtol=1e-4)
+    assert all(c._executable.graphed.recorded for c in egc.last_compiled())
+
+
 class _GroupedAttention(torch.nn.Module):
     """LLaMA's attention as `transformers` writes it: keys and values repeated per head by
     expand + reshape (`repeat_kv`) before sdpa, which the forward then saves for backward."""
