@@ -150,7 +150,7 @@ def build_egraph(fn, example_inputs, options: Options, levels: Levels | None = N
     phases = library_phases() + [p for p in user if isinstance(p, Phase)]
     levels.timings["capture"] = time.perf_counter() - clock
 
-    session = _new_session(rules)
+    session = _new_session(rules, {n.op for n in graph.topo()} | {n.op for n in graph.inputs})
     text, names = encode.encode_graph(graph)
     session.run(text)
     limits = saturate.Limits(options.iter_limit, options.node_limit, options.time_limit)
@@ -166,7 +166,7 @@ def build_egraph(fn, example_inputs, options: Options, levels: Levels | None = N
     return graph, eclasses, report, rules
 
 
-def _new_session(rules) -> EgglogSession:
+def _new_session(rules, present: set[str]) -> EgglogSession:
     """A fresh egglog session with these rules installed, one per compile.
     Sessions were once reused across compiles inside push/pop scopes: a program
     compiled after others could then be rewritten with an equality that held
@@ -174,7 +174,7 @@ def _new_session(rules) -> EgglogSession:
     so installing the rules again (~0.3 s) is the price of never sharing state."""
     session = EgglogSession()
     session.run(encode.declarations())
-    saturate.install_rules(session, rules)
+    saturate.install_rules(session, rules, present)  # (fusions only for ops the program can come to hold)
     return session
 
 

@@ -43,3 +43,27 @@ def test_gpt_block_plan_uses_library_kernels():
     assert ops["sdpa"] == 1 and ops["layer_norm"] + ops["rms_norm"] == 2 and ops["gelu_tanh"] == 1, str(plan)
     assert ops["linear"] + ops["matmul"] == 4 and ops["softmax"] == 0 and ops["exp"] == 0
     assert all(k.seconds > 0 and k.bytes > 0 for k in plan.kernels)
+
+
+@pytest.mark.parametrize("name", workloads.NAMES)
+def test_fusions_installed_only_for_reachable_ops_give_the_same_plan(name, monkeypatch):
+    """Only the fusions whose ops the program can come to hold are given to egglog
+    (saturate.reachable_ops): a reachability that missed an op a rewrite brings in would
+    lose a fusion, and the plan would differ from the one with every fusion installed."""
+    from egraph_compiler.egraph import saturate
+    fn, inputs = workloads.make(name, size="test")
+    filtered = egc.compile(fn, inputs, unsafe=name == "algebra")
+    everything = saturate.install_rules
+    monkeypatch.setattr(saturate, "install_rules", lambda session, rules, present=None: everything(session, rules))
+    full = egc.compile(fn, inputs, unsafe=name == "algebra")
+    assert str(filtered.plan) == str(full.plan)
+    assert filtered.report.matches == full.report.matches
+
+
+def test_reachable_ops_follow_rewrites_from_the_program():
+    """gelu's program can come to hold erf (gelu_unfold) and its arithmetic; never softmax's."""
+    from egraph_compiler.dsl.library import library_rules
+    from egraph_compiler.egraph.saturate import reachable_ops
+    reach = reachable_ops(library_rules(), {"input", "gelu"})
+    assert {"gelu", "erf", "mul", "add", "const"} <= reach
+    assert "softmax" not in reach and "sdpa" not in reach

@@ -160,10 +160,11 @@ def sexp(term) -> str:
 
 # ---- rules ----
 
-def rule_commands(rule) -> list[str]:
-    """egglog commands for one rule: a rewrite (two for `<=>`), named after it."""
+def rule_commands(rule, reach: set[str] | None = None) -> list[str]:
+    """egglog commands for one rule: a rewrite (two for `<=>`), named after it; a fusion's
+    only for the ops in `reach` where it is given (saturate.reachable_ops)."""
     if isinstance(rule, FuseRule):
-        return [] if rule.horizontal else fuse_commands(rule)
+        return [] if rule.horizontal else fuse_commands(rule, reach)
     options: list[list[str]] = [[]]  # one guard list per alternative of `in` conditions
     for cond in rule.conditions:
         if cond.is_assumption:
@@ -228,28 +229,32 @@ def _op_pattern(op: str, prefix: str) -> tuple[str, list[str]]:
 HIDDEN = "~"  # prefix of helper rules that the report does not count
 
 
-def fuse_commands(rule: FuseRule) -> list[str]:
+def fuse_commands(rule: FuseRule, reach: set[str] | None = None) -> list[str]:
     """A fusion statement as egglog rules: for each consumer op and operand
-    position, an alternative e-node whose operand is `(Inline p)`."""
+    position, an alternative e-node whose operand is `(Inline p)`; with `reach`,
+    only for the consumers and producers in it."""
     rs = ruleset_name(rule.group)
     out = []
     relation = "fuse-src-" + "".join(c if c.isalnum() else "-" for c in rule.name)
     same_domain = "same_domain" in rule.conditions
-    if not same_domain:
+    for producer in rule.producers if same_domain else ():
+        if ops.get(producer).group != "reduction":
+            raise ValueError(f"{rule.location}: same_domain applies to reductions, not {producer}")
+    producers = [p for p in rule.producers if reach is None or p in reach]
+    consumers = [c for c in rule.consumers if reach is None or c in reach] if producers else []
+    if not same_domain and consumers:
         out.append(f"(relation {relation} (T))")
-        for producer in rule.producers:
+        for producer in producers:
             pat, _ = _op_pattern(producer, "q")
             out.append(f"(rule ((= e {pat})) (({relation} e)) :ruleset {rs} "
                        f":name {json.dumps(HIDDEN + rule.name + '/' + producer)})")
-    for consumer in rule.consumers:
+    for consumer in consumers:
         pat, operands = _op_pattern(consumer, "c")
         for i, operand in enumerate(operands):
             inlined = pat.replace(f" {operand} ", f" (Inline {operand}) ", 1) if f" {operand} " in pat \
                 else pat.replace(f" {operand})", f" (Inline {operand}))", 1)
             if same_domain:
-                for producer in rule.producers:
-                    if ops.get(producer).group != "reduction":
-                        raise ValueError(f"{rule.location}: same_domain applies to reductions, not {producer}")
+                for producer in producers:
                     query = (f"(= {operand} ({ctor(producer)} x dims true)) "
                              f"(= (ty-shape (ty x)) (ty-shape (ty e)))")
                     out.append(f"(rule ((= e {pat}) {query}) ((union e {inlined})) :ruleset {rs} "
