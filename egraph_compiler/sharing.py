@@ -101,12 +101,13 @@ def share_row_values(plan: Plan, profile: DeviceProfile, rules=()) -> Plan:
     computes joins it as a sibling would (the rules' horizontal fusion statements)."""
     siblings = [r for r in rules if isinstance(r, FuseRule) and r.horizontal]
     refused: set[tuple] = set()  # (p, k, what k stores): a pair refused stays so until k takes another
+    lowered: dict[tuple, tuple | None] = {}  # a kernel's `_lowered`, by what it computes (it lowers again when that changes)
 
     def absorbs(p: Kernel, k: Kernel) -> bool:
         key = (p.name, k.name, len(k.extra_outputs))
         if key in refused:
             return False
-        if _absorb(plan, p, k, profile, siblings):
+        if _absorb(plan, p, k, profile, siblings, lowered):
             return True
         refused.add(key)
         return False
@@ -127,7 +128,7 @@ def share_row_values(plan: Plan, profile: DeviceProfile, rules=()) -> Plan:
     return plan
 
 
-def _absorb(plan: Plan, p: Kernel, k: Kernel, profile: DeviceProfile, siblings) -> bool:
+def _absorb(plan: Plan, p: Kernel, k: Kernel, profile: DeviceProfile, siblings, lowered: dict) -> bool:
     value = p.output
     if (p.kind != "generated" or p.extra_outputs or p.fused or value.numel == 0 or value.group == "layout"
             or k.output.numel % value.numel or value.numel > k.output.numel):
@@ -153,20 +154,29 @@ def _absorb(plan: Plan, p: Kernel, k: Kernel, profile: DeviceProfile, siblings) 
     inside = {id(n) for n in body}  # (what `k` computes beside its output's body stays, `p`'s joins)
     beside_ops = [n for n in k.ops + (p.ops if beside else []) if id(n) not in inside]
     trial.ops = list({id(n): n for n in beside_ops}.values()) + body
-    before, after = _lowered(k), _lowered(trial)
-    if after is None or before is None or after[0] > before[0] + (_lowered(p) or (0,))[0] * (not computed):
+    estimate(trial, profile)  # (first: the estimate refuses most pairs, and lowering costs more)
+    if trial.seconds >= k.seconds + p.seconds:
+        return False
+    before, after = _lowered_once(k, lowered), _lowered(trial)
+    if after is None or before is None or after[0] > before[0] + (_lowered_once(p, lowered) or (0,))[0] * (not computed):
         return False
     if after[1] > max(before[1], 1):  # it would read along columns what `k` reads along rows
         return False
     if value.numel < k.output.numel and not after[2]:
         return False
-    estimate(trial, profile)
-    if trial.seconds >= k.seconds + p.seconds:
-        return False
     k.ops, k.inputs, k.extra_outputs, k.fused = trial.ops, trial.inputs, trial.extra_outputs, fused
     estimate(k, profile)
     plan.kernels.remove(p)
     return True
+
+
+def _lowered_once(kernel: Kernel, memo: dict) -> tuple[int, int, bool] | None:
+    """`_lowered`, kept per kernel for as long as what it computes, reads and stores stays."""
+    key = (kernel.name, tuple(map(id, kernel.ops)), tuple(map(id, kernel.inputs)),
+           tuple(map(id, kernel.outputs)), kernel.stored, kernel.fused)
+    if key not in memo:
+        memo[key] = _lowered(kernel)
+    return memo[key]
 
 
 def _lowered(kernel: Kernel) -> tuple[int, int, bool] | None:
