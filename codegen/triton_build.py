@@ -24,8 +24,8 @@ WORKERS_ENV = "EGC_COMPILE_WORKERS"  # child processes that compile a module's k
 def warm_in_parallel(source: str, kernels: list[LoopKernel], tune: bool = False, sizes: dict | None = None) -> None:
     """Compile a module's kernels for this machine's GPU in child processes
     (as Inductor's compile workers do): each child runs `warmup` on its share,
-    and builds each one's launcher, which store the binaries and launchers in
-    Triton's on-disk cache, where this process's first launch finds them (`tune`: every candidate configuration; `sizes`: a template's
+    which stores the binaries in Triton's on-disk cache, where this process's
+    first launch finds them (`tune`: every candidate configuration; `sizes`: a template's
     (name, value) size arguments per function, compiled for their values' class).  Best effort: a kernel a child did not compile is
     compiled at its first launch, as before (errors surface there)."""
     path = _module_path(source)
@@ -49,11 +49,8 @@ sys.modules[spec.name] = module
 spec.loader.exec_module(module)
 for name, dtypes, options in specs:
     try:
-        kernel = getattr(module, name).warmup(*[getattr(torch, d) if isinstance(d, str) else d for d in dtypes],
-                                              grid=(1,), **options)
-        # its launcher too: Triton builds one per signature with the C compiler (0.25 s each, serial
-        # at the first launches otherwise), into the on-disk cache the first launch reads
-        getattr(kernel, "_init_handles", lambda: None)()
+        getattr(module, name).warmup(*[getattr(torch, d) if isinstance(d, str) else d for d in dtypes],
+                                     grid=(1,), **options)
     except Exception:
         pass
 """
