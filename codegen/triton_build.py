@@ -5,13 +5,11 @@ how CI checks that what the interpreter runs, a GPU's compiler accepts).
 Kernels compile with the options their launches use (`triton.launch_options`)."""
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import subprocess
 import sys
 
-from egraph_compiler import remote
 from egraph_compiler.errors import CodegenError
 from egraph_compiler.loopir import LoopKernel
 
@@ -29,88 +27,32 @@ def warm_in_parallel(source: str, kernels: list[LoopKernel], tune: bool = False,
     which stores the binaries in Triton's on-disk cache, where this process's
     first launch finds them (`tune`: every candidate configuration; `sizes`: a template's
     (name, value) size arguments per function, compiled for their values' class).  Best effort: a kernel a child did not compile is
-    compiled at its first launch, as before (errors surface there).  The children
-    stay for the process's next modules (`_Workers`): a training step's backward
-    module, compiled after its forward's, no longer waits for 8 Pythons to import torch."""
+    compiled at its first launch, as before (errors surface there)."""
     path = _module_path(source)
     specs = [(name, [dtype for _, dtype in params], launch_options(k, shape))  # (each candidate, where tuned)
              for k in kernels for shape in triton_tune.to_compile(_Kernel(k), tune)
              for name, params in kernel_functions(k, shape, sizes)]
     workers = min(int(os.environ.get(WORKERS_ENV, "8")), os.cpu_count() or 1, -(-len(specs) // 4))
-    _WORKERS.run(str(path), [specs[i::workers] for i in range(workers)])
-
-
-class _Workers:
-    """Child Pythons that compile kernels into Triton's on-disk cache (`_SERVE`), started
-    when first needed and kept: each takes one request per line, a module's path and its
-    share of kernels, and answers one line when they are compiled.  Started again when
-    Triton's environment changed (its cache directory: the children would fill another)."""
-
-    def __init__(self):
-        self.children: list[subprocess.Popen] = []
-        self.environment: dict = {}
-
-    def run(self, path: str, shares: list[list]) -> None:
-        environment = {k: v for k, v in os.environ.items() if k.startswith("TRITON_") or k == remote.URL_ENV}
-        if environment != self.environment:
-            self.close()
-            self.environment = environment
-        while len(self.children) < len(shares):
-            self.children.append(subprocess.Popen([sys.executable, "-c", _SERVE], stdin=subprocess.PIPE,
-                                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True))
-        asked = []
-        for child, share in zip(list(self.children), shares):
-            try:
-                child.stdin.write(json.dumps([path, share]) + "\n")
-                child.stdin.flush()
-                asked.append(child)
-            except OSError:  # (a child that died: its share compiles at the first launches)
-                self._drop(child)
-        for child in asked:
-            if not child.stdout.readline():
-                self._drop(child)
-
-    def _drop(self, child: subprocess.Popen) -> None:
-        child.kill()
+    children = [subprocess.Popen([sys.executable, "-c", _WARM, str(path), json.dumps(specs[i::workers])],
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for i in range(workers)]
+    for child in children:
         child.wait()
-        self.children.remove(child)
-
-    def close(self) -> None:
-        for child in self.children:
-            child.stdin.close()  # (a child ends at the end of its input)
-        for child in self.children:
-            child.wait()
-        self.children = []
 
 
-_WORKERS = _Workers()
-atexit.register(_WORKERS.close)
-
-_SERVE = """
-import importlib.util, json, os, sys
-reply = os.fdopen(os.dup(1), "w")
-os.dup2(2, 1)  # (whatever torch or triton prints goes where stderr goes, not into the replies)
+_WARM = """
+import importlib.util, json, sys
 import torch
-import triton
-modules = {}
-for line in sys.stdin:
-    path, specs = json.loads(line)
-    if path not in modules:
-        spec = importlib.util.spec_from_file_location(f"egc_warm_{len(modules)}", path)
-        modules[path] = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = modules[path]
-        try:
-            spec.loader.exec_module(modules[path])
-        except Exception:
-            specs = []
-    for name, dtypes, options in specs:
-        try:
-            getattr(modules[path], name).warmup(*[getattr(torch, d) if isinstance(d, str) else d for d in dtypes],
-                                                grid=(1,), **options)
-        except Exception:
-            pass
-    reply.write("done\\n")
-    reply.flush()
+path, specs = sys.argv[1], json.loads(sys.argv[2])
+spec = importlib.util.spec_from_file_location("egc_warm", path)
+module = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = module
+spec.loader.exec_module(module)
+for name, dtypes, options in specs:
+    try:
+        getattr(module, name).warmup(*[getattr(torch, d) if isinstance(d, str) else d for d in dtypes],
+                                     grid=(1,), **options)
+    except Exception:
+        pass
 """
 
 
