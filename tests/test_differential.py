@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, event, given, settings
 from programs import (MODES, ChoiceDrawer, Outcome, build, check, check_fn, compare_results, describe, eager_runs,
                       failure_message, generate, noisy_runs, programs, reference)
 
-EXAMPLES = int(os.environ.get("EGC_FUZZ_EXAMPLES", "160"))
+EXAMPLES = int(os.environ.get("EGC_FUZZ_EXAMPLES", "128"))
 SMALL = max(EXAMPLES // 8, 1)
 
 
