@@ -71,8 +71,7 @@ class Executable:
                        if n.attr("name") not in bound]
         self._bound_specs = [(n, id(n), bound[n.attr("name")]) for n in self.graph.inputs if n.attr("name") in bound]
         self._keys = [key for _, key, *_ in self._specs]
-        self._constants = None if any(b.module is not None for _, _, b in self._bound_specs) else \
-            {key: self._check(node, b.get()) for node, key, b in self._bound_specs}  # (folded values)
+        self._constants = self._folded()
         self._permuted = [(i, key, dims) for i, (_, key, _, _, dims) in enumerate(self._specs) if dims is not None]
         self.graphed = None
         self._assembly: tuple = (None, None)  # (the graph's state it serves, outputs.Assembly) after a replay
@@ -258,6 +257,17 @@ class Executable:
         for node, key, bound in self._bound_specs:
             env[key] = self._check(node, bound.get())
         return env
+
+    def _folded(self) -> dict | None:
+        """The bound inputs checked once where all are the program's own constants (folded values,
+        which never change); None where one is a module's tensor, or a constant `_check` refuses
+        (then every call checks it, and the call, not the compile, reports it)."""
+        if any(b.module is not None for _, _, b in self._bound_specs):
+            return None
+        try:
+            return {key: self._check(node, b.get()) for node, key, b in self._bound_specs}
+        except InputError:
+            return None
 
     def _check(self, node: Node, value, shape=None) -> torch.Tensor:
         name, shape = node.attr("name"), node.shape if shape is None else shape
