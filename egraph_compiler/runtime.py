@@ -7,13 +7,12 @@ torch on views of the same buffers.  Buffers live on the target's device.
 """
 from __future__ import annotations
 
-import statistics
-import time
 from dataclasses import dataclass, field
 
 import torch
 from torch.utils import _pytree as pytree
 
+from . import timing
 from .codegen.sizes import TEMPLATES
 from .errors import InputError
 from .graph import Graph, Literal, Node, view_source
@@ -114,41 +113,9 @@ class Executable:
             self._write_back(args, results)
         return self._structure(results)
 
-    @torch.no_grad()
     def kernel_times(self, *args, reps: int = 5, inner: int = 5) -> dict[str, float]:
-        """Median seconds of each wrapper step (a kernel's name; a horizontal group
-        under its first kernel's) over `reps` runs: what `benchmarks/cost_fidelity.py`
-        sets beside the plan's estimates.  In each run a step is called once for
-        the result the run goes on with, then `inner` more times back to back,
-        timed as one block with the device synchronised around it: a kernel's
-        steady-state time, as it runs inside a program (its output buffer already
-        touched, its launch overlapped by the previous call's), not one call's
-        latency.  A collective is called once (other processes call it once too)."""
-        times: dict[str, list[float]] = {}
-        sync = torch.cuda.synchronize if self.target.device == "cuda" else (lambda: None)
-        once = {k.name for k in self.plan.kernels if k.output.group == "collective"}
-
-        def timed(step, fn):
-            def run(*a):
-                sync()
-                start = time.perf_counter()
-                out = fn(*a)
-                calls = 1 if step in once else inner
-                if calls > 1:
-                    sync()
-                    start = time.perf_counter()
-                    for _ in range(calls):
-                        fn(*a)
-                sync()
-                times.setdefault(step, []).append((time.perf_counter() - start) / calls)
-                return out
-            return run
-        names = {n: timed(n[1:], f) if n.startswith("_") and not n.startswith("_empty_") else f
-                 for n, f in self.wrapper.names.items()}
-        run = self._runner(names)
-        for _ in range(reps + 1):  # the first run warms caches and is dropped
-            run(self._bind(args))
-        return {step: statistics.median(t[1:]) for step, t in times.items()}
+        """Median seconds of each wrapper step over `reps` runs (timing.kernel_times)."""
+        return timing.kernel_times(self, args, reps=reps, inner=inner)
 
     def launch_configs(self) -> dict[str, dict | None]:
         """Each Triton kernel's launch configuration where it was tuned (codegen/triton_tune.py):
