@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable
 
-from egraph_compiler.loopir import ERROR_FLAG, Acc, Affine, Call, Const, Gather, Index, Load
+from egraph_compiler.loopir import ERROR_FLAG, Acc, Affine, Call, Const, Gather, Index, Load, variables
 from egraph_compiler.ops import COMPARISONS, INTEGERS
 
 
@@ -112,6 +112,8 @@ def render_expr(expr, target: Target, load: Callable[[Load], str], acc: Callable
         if e.op == "pow" and isinstance(e.args[1], Const) and e.args[1].value in target.pow_special:
             return target.pow_special[e.args[1].value].format(walk(e.args[0]))
         fmt = target.ops.get(e.op)
+        if e.op == "where" and "where_row" in target.ops and _per_row(e.args[0]):
+            fmt = target.ops["where_row"]  # a condition that is the same along the row
         integers = integer_context(e, types)
         if integers and e.op == "cast":
             fmt = target.ops.get("cast_int", fmt)
@@ -175,3 +177,12 @@ def unique_kernels(kernels: list, kernel_source: Callable) -> tuple[list, dict[s
             first[key] = k.name
             unique.append(k)
     return unique, aliases
+
+
+def _per_row(e) -> bool:
+    """An expression that is the same for every element of a row: of the outer index alone."""
+    if isinstance(e, (Load, Index)):
+        return variables(e.index) <= {"o"}
+    if isinstance(e, Call):
+        return all(_per_row(a) for a in e.args)
+    return isinstance(e, (Const, Acc))

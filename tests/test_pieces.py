@@ -184,3 +184,32 @@ def test_a_piece_without_the_kernels_gather(target):
     torch.testing.assert_close(compiled(table, ids, x), fn(table, ids, x))
     with pytest.raises(IndexError):
         compiled(table, torch.tensor([[1, 10, 0], [4, 4, 2]]), x)
+
+
+def _class_token_and_patches(cls, conv, pos):
+    """ViT's embeddings under its first layer norm: a cat along the rows' dim (one operand per row,
+    so a `where` of the row index chooses it) of a transposed convolution output."""
+    patches = conv.flatten(2).transpose(1, 2)
+    x = torch.cat([cls.expand(conv.shape[0], -1, -1), patches], 1) + pos
+    return F.layer_norm(x, (x.shape[-1],))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_cat_chosen_per_row_is_selected_on_bits_and_keeps_every_value(dtype):
+    """A `where` whose condition is the same along a row renders as `egc_where_row` (a select on
+    the bits, which g++ vectorises; its `c ? a : b` ran ViT's kernel scalar).  The values chosen
+    keep NaN and infinities as the operand had them."""
+    torch.manual_seed(0)
+    cls, conv, pos = torch.randn(1, 1, 64), torch.randn(3, 64, 5, 5), torch.randn(1, 26, 64)
+    cls[0, 0, :4] = torch.tensor([float("inf"), float("nan"), -0.0, 1e-40])  # (a row of NaN's layer norm)
+    conv[1, :, 2, 3] = float("-inf")
+    args = [t.to(dtype) for t in (cls, conv, pos)]
+    compiled = egraph_compiler.compile(_class_token_and_patches, args, target="cpu")
+    assert "egc_where_row(" in compiled.source and len(compiled.plan.kernels) == 1, str(compiled.plan)
+    torch.testing.assert_close(compiled(*args), _class_token_and_patches(*args), equal_nan=True,
+                               **({} if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)))
+    select = lambda c, a, b: torch.where(c.reshape(-1, 1) > 0, a, b).sum(1)  # a chosen value as it is
+    c, a, b = torch.tensor([1.0, 0.0, 2.0]), torch.tensor([[-0.0, float("inf")]] * 3), torch.full((3, 2), float("nan"))
+    chosen = egraph_compiler.compile(select, [c, a, b], target="cpu")
+    assert "egc_where_row(" in chosen.source
+    torch.testing.assert_close(chosen(c, a, b), select(c, a, b), equal_nan=True)
