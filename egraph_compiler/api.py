@@ -1,13 +1,15 @@
 """Public API: `compile`, `explain`, and the `torch.compile` backend."""
 from __future__ import annotations
 
+import difflib
+import inspect
 import os
 
 import torch
 
 from .capture import bind_sizes, scalar_slots
 from .symbolic import Symbolic, constants
-from .errors import InputError
+from .errors import InputError, OptionError
 from .pipeline import REPORT_ENV, Levels, Options, run_pipeline
 
 
@@ -222,6 +224,7 @@ def dynamo_backend(gm, example_inputs, **kwargs):
     forward and backward graphs are compiled the same way."""
     mode = kwargs.get("mode")
     kwargs = {k: v for k, v in kwargs.items() if k not in ("options", "mode")} | dict(kwargs.get("options") or {})
+    _check_options(kwargs)
     if mode in ("reduce-overhead", "max-autotune") and "cuda_graphs" not in kwargs:
         kwargs["cuda_graphs"] = True  # as Inductor's modes do: CUDA graphs on the cuda target
     if mode == "max-autotune" and "autotune" not in kwargs:
@@ -245,6 +248,17 @@ def dynamo_backend(gm, example_inputs, **kwargs):
         return per_size(*args)
     run.compiled = per_size.compiled
     return run
+
+
+def _check_options(kwargs: dict) -> None:
+    """Options are `compile`'s keyword arguments; a misspelt one is named, with the likely one."""
+    known = [p.name for p in inspect.signature(compile).parameters.values() if p.kind == p.KEYWORD_ONLY]
+    for name in kwargs:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=2)
+            raise OptionError(f"torch.compile(backend='egraph') has no option {name!r}"
+                              + (f"; did you mean {' or '.join(map(repr, close))}?" if close else "")
+                              + f" (options: {', '.join(known)})")
 
 
 class _PerSize:

@@ -23,7 +23,12 @@ class RuleError(EgraphCompilerError):
     def __init__(self, message, path="<rules>", line=0, column=0, source_line=""):
         self.path, self.line, self.column = path, line, column
         caret = f"\n    {source_line}\n    {' ' * max(column - 1, 0)}^" if source_line else ""
-        super().__init__(f"{path}:{line}:{column}: {message}{caret}")
+        where = f"{path}:{line}:{column}" if line else path  # (line 0: about the file as a whole)
+        super().__init__(f"{where}: {message}{caret}")
+
+
+class OptionError(EgraphCompilerError, ValueError):
+    """A compile option, or a name given to one, that means nothing (a misspelt option or rule)."""
 
 
 class UnsoundRuleError(EgraphCompilerError):

@@ -84,6 +84,27 @@ def test_disable_by_rule_and_group():
     assert egc.compile(f, [x], disable=["algebra"]).plan.count("mul") == 1
 
 
+def test_a_misspelt_name_to_disable_or_allow_is_an_error_naming_the_likely_one(tmp_path):
+    """Left alone, a misspelt `disable` switches nothing off and the plan is silently the same."""
+    x = torch.randn(4, 4)
+    with pytest.raises(egc.OptionError, match=r"disable='mul_onee'.*did you mean 'mul_one'"):
+        egc.compile(lambda x: x * 1.0, [x], disable=["mul_onee"])
+    with pytest.raises(egc.OptionError, match=r"unsafe='nothing_like_it' names no rule"):
+        egc.compile(lambda x: x * 1.0, [x], unsafe=["nothing_like_it"])
+    mine = tmp_path / "mine.rules"  # a user's own rule and group can be named
+    mine.write_text("rule neg_sub: neg(sub(a, b)) => sub(b, a)\n")
+    assert egc.compile(lambda a, b: -(a - b), [x, x], rules=[mine], disable=["neg_sub"]).plan.count("neg") == 1
+    with pytest.raises(Exception, match="has no option 'disabel'; did you mean 'disable'"):  # (in Dynamo's wrapper)
+        torch._dynamo.reset()
+        torch.compile(lambda x: x * 1.0, backend="egraph", options={"disabel": ["mul_one"]})(x)
+
+
+def test_a_rules_path_that_is_not_there_is_named():
+    x = torch.randn(4)
+    with pytest.raises(egc.RuleError, match=r"^/no/such/dir/mine\.rules: no rules file here"):
+        egc.compile(lambda x: x + 0, [x], rules=["/no/such/dir/mine.rules"])
+
+
 def test_unsafe_by_name():
     f = lambda x: torch.exp(torch.log(x))  # noqa: E731
     x = torch.rand(4, 4) + 0.5

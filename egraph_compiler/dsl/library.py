@@ -2,11 +2,12 @@
 the selection a compile asks for (disabled names or groups, unsafe rules)."""
 from __future__ import annotations
 
+from difflib import get_close_matches
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 
-from ..errors import RuleError
+from ..errors import OptionError, RuleError
 from .parser import FuseRule, Phase, Rule, parse_file, parse_rules
 
 
@@ -54,10 +55,14 @@ def library_phases() -> list[Phase]:
 
 
 def load_user_items(entries) -> list:
-    """Each entry is a path to a rules file or the text of rules."""
+    """Each entry is a path to a rules file (a Path, a name ending in .rules, or any one line
+    naming a file that exists) or the text of rules."""
     items: list = []
     for k, entry in enumerate(entries or []):
-        if isinstance(entry, Path) or (isinstance(entry, str) and "\n" not in entry and entry.endswith(".rules")):
+        if isinstance(entry, Path) or (isinstance(entry, str) and "\n" not in entry and (
+                entry.endswith(".rules") or Path(entry).is_file())):
+            if not Path(entry).is_file():
+                raise RuleError("no rules file here (a path, or the text of rules, was expected)", str(entry))
             items += parse_file(entry)
         else:
             items += parse_rules(str(entry), f"<rules {k}>", group="user")
@@ -97,6 +102,13 @@ def select(rules: list[Rule], disable=(), unsafe=False) -> list[Rule]:
     when `unsafe` is True or names them (or their group)."""
     disable = set(disable or ())
     allowed = set(unsafe) if isinstance(unsafe, (list, tuple, set)) else set()
+    known = {r.name for r in rules} | {r.group for r in rules}
+    for option, names in (("disable", disable), ("unsafe", allowed)):
+        for name in sorted(names - known):  # (a misspelt name would otherwise switch nothing, silently)
+            close = get_close_matches(name, known, n=3)
+            raise OptionError(f"{option}={name!r} names no rule or group of rules"
+                              + (f"; did you mean {', '.join(map(repr, close))}?" if close else
+                                 " (`egc rules list` prints them by group)"))
     out = []
     for r in rules:
         if r.name in disable or r.group in disable:
