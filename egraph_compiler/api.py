@@ -163,6 +163,9 @@ def _check_examples(example_inputs) -> list:
         if not isinstance(value, torch.Tensor):
             raise InputError(f"example input {i} is a {type(value).__name__}; compiled programs take tensors "
                              f"(bind other arguments with functools.partial, or pass torch.tensor(value))")
+        if value.layout != torch.strided:
+            raise InputError(f"example input {i} is a {value.layout} tensor; compiled programs take dense "
+                             f"(strided) tensors: pass .to_dense(), or run this part eagerly")
     return _unaliased(example_inputs)
 
 

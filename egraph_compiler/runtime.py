@@ -213,14 +213,21 @@ class Executable:
             env.update(self._constants)
             return env
         env = {}
-        for (node, key, shape, dtype, dims), value in zip(self._specs, args):
-            if not (isinstance(value, torch.Tensor) and value.dtype == dtype and value.shape == shape
-                    and (value.is_cuda if cuda else value.is_cpu)):
-                value = self._check(node, value, shape)
-            if dims is not None:
-                value = value.permute(dims)  # (dense where the caller's strides are the captured ones)
-            env[key] = value if graphed or key in self._any_strides or value.is_contiguous() else \
-                value.contiguous()  # (graphs.py: inside the graph)
+        try:
+            for (node, key, shape, dtype, dims), value in zip(self._specs, args):
+                if not (isinstance(value, torch.Tensor) and value.dtype == dtype and value.shape == shape
+                        and (value.is_cuda if cuda else value.is_cpu)):
+                    value = self._check(node, value, shape)
+                if dims is not None:
+                    value = value.permute(dims)  # (dense where the caller's strides are the captured ones)
+                env[key] = value if graphed or key in self._any_strides or value.is_contiguous() else \
+                    value.contiguous()  # (graphs.py: inside the graph)
+        except RuntimeError:  # (a sparse tensor has no strides to ask about)
+            for (node, *_), value in zip(self._specs, args):
+                if isinstance(value, torch.Tensor) and value.layout != torch.strided:
+                    raise InputError(f"argument {node.attr('name')!r} is a {value.layout} tensor; compiled "
+                                     f"programs take dense (strided) tensors (pass .to_dense())") from None
+            raise
         for node, key, bound in self._bound_specs:
             env[key] = self._check(node, bound.get())
         return env

@@ -311,6 +311,18 @@ def test_non_tensor_example_inputs_get_a_clear_error():
     torch.testing.assert_close(single(torch.ones(3)), torch.full((3,), 2.0))
 
 
+def test_sparse_tensors_are_refused_by_name_at_compile_and_at_call():
+    """A sparse example compiled, and calling with one crashed inside torch ("unsupported memory
+    format option Contiguous")."""
+    dense = torch.randn(4, 4)
+    with pytest.raises(egc.InputError, match="example input 0 is a torch.sparse_coo tensor.*to_dense"):
+        egc.compile(lambda a: a * 2, [dense.to_sparse()])
+    compiled = egc.compile(lambda a: a * 2, [dense])
+    with pytest.raises(egc.InputError, match="argument 'a' is a torch.sparse_coo tensor"):
+        compiled(dense.to_sparse())
+    torch.testing.assert_close(compiled(dense), dense * 2)
+
+
 def test_explain_can_keep_the_saturated_egraph_as_dot(tmp_path):
     fn, inputs = workloads.make("softmax", "test")
     levels = egc.explain(fn, inputs, dot=True)
