@@ -278,3 +278,24 @@ def test_forward_lends_only_what_it_computes():
     assert forward._lent and min(forward._lent) >= 1, "the user's output is not lent"
     assert all(egc.graph.view_source(outputs[i]).op != "input" for i in forward._lent)
     assert any(egc.graph.view_source(o).op == "input" for o in outputs), "a saved weight (not lent)"
+
+
+def test_training_graphs_are_read_as_they_are_not_exported_again(monkeypatch):
+    """AOTAutograd's graphs are functional ATen graphs with every value's fake tensor already:
+    capture reads them as they are (capture._exported_already) instead of tracing each again with
+    torch.export (0.2-0.9 s a graph).  A graph that mutates an input (batch norm's running
+    statistics) still goes through export, which turns the mutation into an output."""
+    from egraph_compiler import capture
+    exported = []
+    real_export = capture.export_aten
+    monkeypatch.setattr(capture, "export_aten", lambda *a, **k: exported.append(1) or real_export(*a, **k))
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
+    x = torch.randn(5, 8)
+    got, want = _grads(mlp, lambda fn: (fn(x) * _weights_for(torch.empty(5, 4))).sum(), _compile(mlp))
+    _assert_grads_close(got, want)
+    assert len(egc.last_plans()) == 2 and exported == [], exported  # forward and backward, neither exported
+    from test_models import _convnet
+    net = _convnet().train()
+    _compile(net)(torch.randn(4, 3, 16, 12)).sum().backward()
+    assert len(exported) == 1  # the forward, which writes the running statistics
