@@ -9,6 +9,7 @@ ill-shaped term cannot exist.
 from __future__ import annotations
 
 import weakref
+from functools import cached_property
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -141,11 +142,11 @@ class Node:
     def a(self) -> dict:
         return dict(self.attrs)
 
-    @property
+    @cached_property  # (read hundreds of thousands of times a compile: kept in the instance's dict)
     def group(self) -> str:
         return ops.group_of(self.op)
 
-    @property
+    @cached_property
     def numel(self) -> int:
         n = 1
         for s in self.shape:
