@@ -236,7 +236,7 @@ def dynamo_backend(gm, example_inputs, **kwargs):
         from .training import training_backend  # AOTAutograd: forward and backward graphs, each compiled
         return training_backend(gm, example_inputs,
                                 lambda graph, **extra: _PerSize(graph, kwargs | {"alias_inputs": True} | extra))
-    per_size = _PerSize(gm, kwargs)
+    per_size = _PerSize(gm, kwargs, guarded=True)
     if all(isinstance(x, torch.Tensor) and all(isinstance(d, int) for d in x.shape) for x in example_inputs):
         per_size.compile(list(example_inputs))  # a static graph: compiled now, as Dynamo expects
         if not per_size.scalars:  # Dynamo's guards hold its arguments to these shapes and dtypes (and
@@ -271,8 +271,9 @@ class _PerSize:
     calls, which Dynamo passes as a 0-d tensor read by `.item()`)."""
     LIMIT = 16  # sizes kept; more evict the least recently used
 
-    def __init__(self, gm, kwargs):
+    def __init__(self, gm, kwargs, guarded: bool = False):
         self.gm, self.kwargs, self.programs, self.compiled = gm, kwargs, {}, None
+        self.guarded = guarded  # a graph Dynamo hands over (its guards hold its inputs), not one of AOTAutograd's
         self.scalars = scalar_slots(gm)
         self.symbolic: dict = {}  # the values bound as constants -> the graph exported for every size
 
@@ -300,6 +301,7 @@ class _PerSize:
         # the key below checks each argument's shape, dtype and device, and Dynamo's guards (and
         # AOTAutograd's runtime) hold the calls that skip it to those the graph was traced for
         compiled._executable.checked_by_caller = True
+        compiled._executable.strides_by_caller = self.guarded and _static_graph(self.gm)
         if compiled._executable.graphed is not None:  # (strides too: Dynamo guards those of static graphs)
             compiled._executable.graphed.strides_checked = _static_graph(self.gm)
         self.programs[self._key(args)] = (compiled, slots)

@@ -75,6 +75,8 @@ class Executable:
         self.graphed = None
         self._assembly: tuple = (None, None)  # (the graph's state it serves, outputs.Assembly) after a replay
         self.checked_by_caller = False  # api._PerSize: each argument's shape, dtype, device (and strides)
+        self.strides_by_caller = False  # ...and strides too (a static Dynamo graph): `_bind`'s work is known
+        self._made_dense: list | None = None  # after the first call: the arguments it made contiguous
         self._kinds = [self._output_kind(o) for o in self.graph.outputs]
         self._reads = [(id(o), self.steps.getter(o)) for o in self.graph.outputs]  # (each output from the env)
         self._flat = flat_sequence(self.graph.results, Literal)
@@ -121,11 +123,8 @@ class Executable:
         """Each Triton kernel's launch configuration where it was tuned (codegen/triton_tune.py):
         {kernel: {"config": "x<XBLOCK>_r<RBLOCK>_w<warps>", "times_ms": per candidate}}, None
         before its first launch or where it was not tuned."""
-        configs = {}
-        for name, call in self._calls.items():
-            tuned = getattr(call, "tuned", None)
-            configs[name] = None if tuned is None else tuned.describe()
-        return configs
+        return {name: None if getattr(call, "tuned", None) is None else call.tuned.describe()
+                for name, call in self._calls.items()}
 
     def _runner(self, names: dict):
         """The wrapper over these step callables, each run starting a fresh memo."""
@@ -206,10 +205,12 @@ class Executable:
         if len(args) != len(self._specs):
             raise InputError(f"expected {len(self._specs)} tensor argument(s) "
                              f"({', '.join(n.attr('name') for n, *_ in self._specs)}), got {len(args)}")
-        if self.checked_by_caller and graphed and self._constants is not None:  # (a replay's host path)
-            env = dict(zip(self._keys, args))
+        if self.checked_by_caller and self._constants is not None and (graphed or self._made_dense is not None):
+            env = dict(zip(self._keys, args))  # (a replay's host path; a static Dynamo graph's after its first call)
             for i, key, dims in self._permuted:
                 env[key] = args[i].permute(dims)
+            for key in () if graphed else self._made_dense:  # (strides as the first call's: Dynamo's guards)
+                env[key] = env[key].contiguous()
             env.update(self._constants)
             return env
         env = {}
@@ -230,6 +231,9 @@ class Executable:
             raise
         for node, key, bound in self._bound_specs:
             env[key] = self._check(node, bound.get())
+        if self.strides_by_caller and not graphed and self._made_dense is None:  # (a permuted one is a view)
+            self._made_dense = [k for k, v in zip(self._keys, args) if env[k] is not v and env[k].is_contiguous()
+                                and k not in {p[1] for p in self._permuted}]
         return env
 
     def _folded(self) -> dict | None:

@@ -234,6 +234,30 @@ def test_in_place_updates_of_inputs_and_buffers_are_written_back():
     torch.testing.assert_close(counter.total, torch.full((3,), 2.0))
 
 
+def test_a_static_dynamo_graph_binds_its_arguments_as_its_first_call_did():
+    """Under Dynamo's guards (shapes, dtypes and strides of a static graph) `_bind` checks the
+    arguments on the first call only, and later calls make contiguous the arguments the first
+    call did.  An argument of other strides is another graph (Dynamo recompiles), never read
+    with the first one's layout."""
+    def fn(a, b):
+        return torch.softmax(a @ b, -1) + torch.exp(b).sum(-1, keepdim=True)
+    torch._dynamo.reset()
+    egc.last_compiled(clear=True)
+    compiled = torch.compile(fn, backend="egraph", dynamic=False)
+    g = torch.Generator().manual_seed(0)
+    strided = lambda: torch.randn(6, 6, generator=g).t()  # (read in its storage order: a permute)
+    sliced = lambda: torch.randn(6, 12, generator=g)[:, ::2]  # (no dense order: made contiguous)
+    for _ in range(3):
+        a, b = strided(), sliced()
+        torch.testing.assert_close(compiled(a, b), fn(a, b))
+    first = egc.last_compiled()[-1]._executable
+    assert first.strides_by_caller and first._made_dense is not None and len(first._made_dense) == 1
+    a, b = torch.randn(6, 6, generator=g), torch.randn(6, 6, generator=g)  # contiguous both: new guards
+    torch.testing.assert_close(compiled(a, b), fn(a, b))
+    a, b = strided(), sliced()
+    torch.testing.assert_close(compiled(a, b), fn(a, b))
+
+
 def test_torch_compile_backend_across_shapes():
     def scaled_relu(x):
         return torch.relu(x) * 2.0
