@@ -5,7 +5,7 @@ dtypes; `run_decompositions({})` functionalises it while keeping composites
 (softmax, layer_norm, gelu, silu, linear, sdpa) whole, because decomposing
 them is the rules' job.  Each ATen op is translated onto the op table by the
 converters' tables (converters.py; reads by index: indexing.py; backward
-graphs' own ops: gradients.py; convolutional networks': convnets.py); anything
+graphs' own ops: gradients.py; convnets': convnets.py; torch's encoder layer: encoder.py); anything
 they lack becomes an `extern` node run by ATen.  With symbolic.py (a Dynamo graph of symbolic
 sizes, exported once), the only module that imports torch.export / torch.fx.
 """
@@ -26,13 +26,14 @@ from . import ops
 from .errors import CaptureError
 from .converters import CONVERTERS
 from .convnets import CONVNETS
+from .encoder import ENCODER
 from .forms import FORMS
 from .gradients import GRADIENTS
 from .indexing import INDEXING
 from .graph import TENSOR_SLOT, WEAK, Bound, ExternCall, Graph, Literal, Node, input_node
 
 aten = torch.ops.aten
-TABLE = CONVERTERS | INDEXING | GRADIENTS | CONVNETS | FORMS  # every ATen op capture maps onto the op table
+TABLE = CONVERTERS | INDEXING | GRADIENTS | CONVNETS | FORMS | ENCODER  # every ATen op capture maps onto the op table
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))  # torch's frames are not the user's source
 

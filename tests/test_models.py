@@ -18,6 +18,27 @@ def test_transformer_encoder_layer():
         torch.testing.assert_close(compiled(x), layer(x), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("norm_first,activation", [(False, "relu"), (True, "gelu")])
+def test_torch_transformer_encoder_fast_path_is_written_out(norm_first, activation):
+    """In eval mode without gradients torch runs each layer as one ATen call
+    (`_transformer_encoder_layer_fwd`, its "fast path"), which Dynamo hands over whole: it used
+    to be one fallback per layer.  encoder.py writes it out: one sdpa per layer, no fallback."""
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, activation=activation, batch_first=True,
+                                             norm_first=norm_first)
+    encoder = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval()
+    x = torch.randn(3, 7, 32)
+    torch._dynamo.reset()
+    egc.last_plans(clear=True)
+    with torch.no_grad():
+        expected = encoder(x)
+        got = torch.compile(encoder, backend="egraph")(x)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    plans = egc.last_plans()
+    assert plans and not [f for p in plans for f in p.fallbacks], [p.fallbacks for p in plans]
+    assert sum(p.count("sdpa") for p in plans) == 2 and sum(p.count("layer_norm") for p in plans) == 4
+
+
 def test_model_with_an_unsupported_layer_lists_its_fallback():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Conv1d(4, 8, 3, padding="same"), torch.nn.GELU(), torch.nn.Flatten(),
