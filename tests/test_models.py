@@ -18,8 +18,8 @@ def test_transformer_encoder_layer():
         torch.testing.assert_close(compiled(x), layer(x), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("norm_first,activation", [(False, "relu"), (True, "gelu")])
-def test_torch_transformer_encoder_fast_path_is_written_out(norm_first, activation):
+@pytest.mark.parametrize("norm_first,activation,target", [(False, "relu", "cpu"), (True, "gelu", "triton")])
+def test_torch_transformer_encoder_fast_path_is_written_out(norm_first, activation, target):
     """In eval mode without gradients torch runs each layer as one ATen call
     (`_transformer_encoder_layer_fwd`, its "fast path"), which Dynamo hands over whole: it used
     to be one fallback per layer.  encoder.py writes it out: one sdpa per layer, no fallback."""
@@ -32,7 +32,7 @@ def test_torch_transformer_encoder_fast_path_is_written_out(norm_first, activati
     egc.last_plans(clear=True)
     with torch.no_grad():
         expected = encoder(x)
-        got = torch.compile(encoder, backend="egraph")(x)
+        got = torch.compile(encoder, backend="egraph", options={"target": target})(x)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     plans = egc.last_plans()
     assert plans and not [f for p in plans for f in p.fallbacks], [p.fallbacks for p in plans]
