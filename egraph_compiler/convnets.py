@@ -171,7 +171,21 @@ def _upsample_bilinear2d(x, size, align_corners, scales_h=None, scales_w=None):
                                                    "align_corners": bool(align_corners)})
 
 
+def _group_norm(x, groups, w=None, b=None, eps=1e-5, cudnn_enabled=True):
+    """GroupNorm: a layer norm over each group's channels and positions, then each channel's
+    scale and shift (float32; other dtypes round differently between the steps: ATen)."""
+    if len(x.shape) < 2 or x.dtype != "float32" or x.numel == 0 or x.shape[1] % groups:
+        return None
+    grouped = _reshape(x, (x.shape[0], groups, x.numel // (x.shape[0] * groups)))
+    out = _reshape(Node.make("layer_norm", (grouped, const(1.0), const(0.0)), {"ndim": 1, "eps": float(eps)}),
+                   x.shape)
+    channel = (x.shape[1],) + (1,) * (len(x.shape) - 2)
+    out = out if w is None else Node.make("mul", (out, _reshape(w, channel)))
+    return out if b is None else Node.make("add", (out, _reshape(b, channel)))
+
+
 CONVNETS = {
+    aten.group_norm.default: _group_norm,
     aten.upsample_bilinear2d.default: _upsample_bilinear2d,
     aten.upsample_bilinear2d.vec: lambda x, size, align_corners, scales: _upsample_bilinear2d(
         x, size, align_corners) if scales is None else None,

@@ -39,6 +39,22 @@ def test_torch_transformer_encoder_fast_path_is_written_out(norm_first, activati
     assert sum(p.count("sdpa") for p in plans) == 2 and sum(p.count("layer_norm") for p in plans) == 4
 
 
+@pytest.mark.parametrize("target", ["cpu", "triton"])
+def test_group_norm_is_a_layer_norm_per_group_then_each_channels_affine(target):
+    """nn.GroupNorm (diffusion U-Nets, ConvNeXt-style blocks) was an ATen fallback."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv1d(8, 12, 3, padding=1), torch.nn.GroupNorm(3, 12), torch.nn.SiLU(),
+                                torch.nn.GroupNorm(1, 12, affine=False)).eval()
+    with torch.no_grad():
+        model[1].weight.uniform_(0.5, 2.0)
+        model[1].bias.uniform_(-1.0, 1.0)
+    x = torch.randn(2, 8, 10) * 3 + 1
+    compiled = egc.compile(model, [x], target=target)
+    assert not compiled.plan.fallbacks, compiled.plan.fallbacks
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x), atol=1e-5, rtol=1e-5)
+
+
 def test_model_with_an_unsupported_layer_lists_its_fallback():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Conv1d(4, 8, 3, padding="same"), torch.nn.GELU(), torch.nn.Flatten(),
