@@ -19,16 +19,29 @@ aten = torch.ops.aten
 
 
 def _convolution(x, w, b, stride, padding, dilation, transposed, output_padding, groups):
-    """torch's general convolution (AOTAutograd's form of conv2d): the 2-d, untransposed case."""
-    if transposed or len(x.shape) != 4 or len(stride) != 2 or any(output_padding):
+    """torch's general convolution (AOTAutograd's form of conv1d and conv2d), untransposed."""
+    if transposed or any(output_padding):
+        return None
+    if len(x.shape) == 3 and len(w.shape) == 3 and len(stride) == 1:
+        return _conv1d(x, w, b, stride, padding, dilation, groups)
+    if len(x.shape) != 4 or len(stride) != 2:
         return None
     return _conv2d(x, w, b, stride, padding, dilation, groups)
 
 
 def _convolution_backward(grad, x, w, bias_sizes, stride, padding, dilation, transposed, output_padding, groups,
                           mask):
-    """(input's, weight's, bias's gradient) of a 2-d convolution, None where `mask` asks for none."""
-    if transposed or len(x.shape) != 4 or len(stride) != 2 or any(output_padding):
+    """(input's, weight's, bias's gradient) of a 2-d convolution, None where `mask` asks for none;
+    a 1-d one as the 2-d one over a height of 1 (as `_conv1d`)."""
+    if transposed or any(output_padding):
+        return None
+    if len(x.shape) == 3 and len(w.shape) == 3 and len(stride) == 1:
+        tall = lambda t: _reshape(t, [*t.shape[:2], 1, t.shape[2]])  # noqa: E731
+        grads = _convolution_backward(tall(grad), tall(x), tall(w), bias_sizes, (1, stride[0]), (0, padding[0]),
+                                      (1, dilation[0]), False, (0, 0), groups, mask)
+        return grads and [g if g is None or i == 2 else _reshape(g, t.shape)
+                          for i, (g, t) in enumerate(zip(grads, (x, w, None)))]
+    if len(x.shape) != 4 or len(stride) != 2:
         return None
     attrs = {"stride": tuple(stride), "padding": tuple(padding), "dilation": tuple(dilation), "groups": groups}
     return [Node.make("conv2d_input_grad", (grad, w), {"shape": x.shape} | attrs) if mask[0] else None,

@@ -37,6 +37,8 @@ DECOMPOSED = [
     # copy: convnets.py), its backward as primitives
     aten._native_batch_norm_legit_functional, aten._native_batch_norm_legit_no_training,
     aten._native_batch_norm_legit, aten.native_batch_norm, aten.native_batch_norm_backward,
+    # group norm likewise (its statistics per group as reductions)
+    aten.native_group_norm, aten.native_group_norm_backward,
 ]
 
 

@@ -201,6 +201,22 @@ def test_convnet_with_batch_norm_trains_like_eager():
     assert len(plans) >= 2 and not any(p.fallbacks for p in plans), [p.fallbacks for p in plans]
 
 
+@pytest.mark.parametrize("target", ["cpu", "triton"])
+def test_conv1d_and_group_norm_train_like_eager_without_fallbacks(target):
+    """A 1-d convolution reaches training as torch's general `convolution` (and its backward)
+    over 3-d tensors, and group norm as `native_group_norm` (and its backward): all four were
+    ATen fallbacks.  The convolution is the 2-d one over a height of 1, group norm decomposed."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv1d(4, 12, 3, stride=2, padding=2, dilation=2), torch.nn.GroupNorm(3, 12),
+                                torch.nn.SiLU(), torch.nn.Conv1d(12, 6, 1, groups=3))
+    x = torch.randn(2, 4, 11)
+    loss = lambda fn: (fn(x) * _weights_for(torch.empty(2, 6, 6))).sum()  # noqa: E731
+    got, want = _grads(model, loss, _compile(model, target=target))
+    _assert_grads_close(got, want)
+    plans = egc.last_plans()
+    assert len(plans) == 2 and not [f for p in plans for f in p.fallbacks], [p.fallbacks for p in plans]
+
+
 def test_max_pooling_trains_like_eager():
     """ResNet's overlapping, padded 3x3 / 2 pooling and a tiling 2x2 one in training: the values, their
     positions and the gradient sent back to them are library calls (no ATen fallback)."""
