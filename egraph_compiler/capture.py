@@ -108,7 +108,8 @@ def _exported_already(fn):
     nodes = list(fn.graph.nodes)
     for n in nodes:
         val = n.meta.get("val")
-        if n.op == "placeholder" and not (isinstance(val, torch.Tensor) and not _has_symbols(val)):
+        if n.op == "placeholder" and not (isinstance(val, torch.Tensor) and all(
+                isinstance(d, int) for d in (*val.shape, *val.stride()))):
             return None
         if n.op == "call_function" and n.target is not operator.getitem and not (
                 isinstance(n.target, torch._ops.OpOverload) and (n.target in TABLE or _kept_whole(n.target))
@@ -127,10 +128,6 @@ def _exported_already(fn):
         graph_module=fn, graph_signature=types.SimpleNamespace(input_specs=specs, output_specs=out_specs),
         state_dict={}, constants={},
         call_spec=types.SimpleNamespace(out_spec=pytree.tree_structure(type(outputs)(range(len(outputs))))))
-
-
-def _has_symbols(val: torch.Tensor) -> bool:
-    return not all(isinstance(d, int) for d in (*val.shape, *val.stride()))
 
 
 def capture(fn, example_inputs) -> tuple[Graph, str]:
@@ -334,11 +331,12 @@ def _arg(a, env):
 
 
 def _extern(fx_node, env, reason: str) -> object:
-    tensors, template = [], []
+    tensors, template, dense = [], [], []
 
     def freeze(a):
         if isinstance(a, torch.fx.Node):
             tensors.append(env[a.name])
+            dense.append(isinstance(a.meta.get("val"), torch.Tensor) and a.meta["val"].is_contiguous())
             return TENSOR_SLOT
         if isinstance(a, (list, tuple)):
             return ("__list__",) + tuple(freeze(x) for x in a)
@@ -356,7 +354,7 @@ def _extern(fx_node, env, reason: str) -> object:
         call = ExternCall(fx_node.target, template, kwargs, tuple(v.shape),
                           str(v.dtype).removeprefix("torch."),
                           i if isinstance(val, (list, tuple)) else None, user_line(fx_node), reason=reason,
-                          pending=pending)
+                          pending=pending, dense=tuple(dense))
         object.__setattr__(call, "key", f"{fx_node.target}#{id(call):x}")
         results.append(Node.make("extern", tuple(tensors), {"target": call}, shape=call.shape, dtype=call.dtype))
     return results if isinstance(val, (list, tuple)) else results[0]

@@ -48,6 +48,10 @@ class ExternCall:
     # the program runs the op once (a random op such as native_dropout must give its output and its mask
     # from one draw), the first output read computes them all, and each sibling takes its own
     pending: dict = field(default_factory=dict, compare=False, repr=False)
+    # per tensor argument, whether eager gave the op a contiguous tensor: it gets one here too (ours
+    # may be laid out otherwise, and ops autograd calls internally assume the layout it gives them:
+    # _weight_norm_interface_backward reads a channels-last gradient wrongly)
+    dense: tuple = ()
 
     def __str__(self):
         return self.key or str(self.target)
@@ -55,6 +59,8 @@ class ExternCall:
     def run(self, tensors: list[torch.Tensor]) -> torch.Tensor:
         if self.item is not None and self.item in self.pending:
             return self.pending.pop(self.item)
+        if self.dense:
+            tensors = [t.contiguous() if d and isinstance(t, torch.Tensor) else t for t, d in zip(tensors, self.dense)]
         it = iter(tensors)
         args = [_fill(a, it) for a in self.template]
         kwargs = {k: _fill(v, it) for k, v in self.kwargs}

@@ -217,6 +217,32 @@ def test_conv1d_and_group_norm_train_like_eager_without_fallbacks(target):
     assert len(plans) == 2 and not [f for p in plans for f in p.fallbacks], [p.fallbacks for p in plans]
 
 
+@pytest.mark.parametrize("dims", [1, 2])
+def test_a_fallback_gets_the_layout_eager_gave_it(dims):
+    """A silent wrong answer (Wav2Vec2 and HuBERT in train mode, found by the model-family probe):
+    a convolution over a channels-last view (the model's transpose) gave its weight gradient
+    channels-last, and torch's `_weight_norm_interface_backward`, an ATen fallback here, reads a
+    gradient of that layout wrongly (eager's autograd only ever hands it a contiguous one).
+    A fallback's tensor arguments are now contiguous wherever eager's were."""
+    torch.manual_seed(0)
+    conv = (torch.nn.Conv1d(32, 32, 16, padding=8, groups=4) if dims == 1 else
+            torch.nn.Conv2d(16, 16, 3, padding=1, groups=4))
+    conv = torch.nn.utils.parametrizations.weight_norm(conv, name="weight", dim=2 if dims == 1 else 0)
+
+    class ChannelsLast(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = conv
+
+        def forward(self, x):  # x: channels last, as a transformer's [batch, positions, channels]
+            return self.conv(x.transpose(1, 2) if dims == 1 else x.permute(0, 3, 1, 2))
+    model = ChannelsLast()
+    x = torch.randn(2, 39, 32) if dims == 1 else torch.randn(2, 6, 7, 16)
+    weights = torch.randn(model(x).shape, generator=torch.Generator().manual_seed(1))
+    got, want = _grads(model, lambda fn: (fn(x) * weights).sum(), _compile(model))
+    _assert_grads_close(got, want)
+
+
 def test_max_pooling_trains_like_eager():
     """ResNet's overlapping, padded 3x3 / 2 pooling and a tiling 2x2 one in training: the values, their
     positions and the gradient sent back to them are library calls (no ATen fallback)."""
