@@ -10,6 +10,7 @@ square, GPT-J's and CodeGen's stacked rotary halves, Falcon's `x[:, [i]]`, Mixtr
   bound above the upper gives the upper), `clamp_max` the `minimum`;
 - `ceil(x)` is `-floor(-x)`, exact (integers are their own ceiling);
 - `square(x)` is `x * x`; `stack` is an unsqueeze of each tensor and a cat;
+- `_weight_norm(v, g, dim)` (a weight-normed layer in eval) is `v * (g / ||v||)`;
 - `greater`, `less_equal`... are `gt`, `le`...
 
 capture.py reads this table with converters.py's."""
@@ -77,7 +78,22 @@ def _stack(tensors, dim=0):
     return _cat([_unsqueeze(t, dim) for t in tensors], dim)
 
 
+def _weight_norm(v, g, dim=0):
+    """`_weight_norm(v, g, dim)` (weight_norm's weight in eval): v * (g / ||v||), the norm over every
+    dim but `dim` (over all of v for dim -1), as torch's norm_except_dim; float32 (ATen otherwise)."""
+    if v.dtype != "float32" or not v.shape:
+        return None
+    rank = len(v.shape)
+    keep = None if dim == -1 else ops.norm_dim(dim, rank)
+    dims = tuple(d - rank for d in range(rank) if d != keep)
+    if not dims:
+        return None
+    norm = Node.make("sqrt", (Node.make("sum", (Node.make("mul", (v, v)),), {"dims": dims, "keepdim": True}),))
+    return Node.make("mul", (v, Node.make("div", (g, norm))))
+
+
 FORMS = {
+    aten._weight_norm.default: _weight_norm,
     aten.minimum.default: _minimum, aten.maximum.default: _maximum, aten.clamp_min.default: _maximum,
     aten.clamp.default: _clamp, aten.clamp.Tensor: _clamp,
     aten.clamp_max.default: _minimum, aten.clamp_max.Tensor: _minimum,

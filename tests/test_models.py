@@ -27,15 +27,7 @@ def test_torch_transformer_encoder_fast_path_is_written_out(norm_first, activati
     layer = torch.nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, activation=activation, batch_first=True,
                                              norm_first=norm_first)
     encoder = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval()
-    x = torch.randn(3, 7, 32)
-    torch._dynamo.reset()
-    egc.last_plans(clear=True)
-    with torch.no_grad():
-        expected = encoder(x)
-        got = torch.compile(encoder, backend="egraph", options={"target": target})(x)
-    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
-    plans = egc.last_plans()
-    assert plans and not [f for p in plans for f in p.fallbacks], [p.fallbacks for p in plans]
+    plans = _eval_through_dynamo(encoder, torch.randn(3, 7, 32), target)
     assert sum(p.count("sdpa") for p in plans) == 2 and sum(p.count("layer_norm") for p in plans) == 4
 
 
@@ -53,6 +45,30 @@ def test_group_norm_is_a_layer_norm_per_group_then_each_channels_affine(target):
     assert not compiled.plan.fallbacks, compiled.plan.fallbacks
     with torch.no_grad():
         torch.testing.assert_close(compiled(x), model(x), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("target", ["cpu", "triton"])
+def test_weight_normed_layers_in_eval_are_written_out(target):
+    """Weight norm's weight (`_weight_norm`: Wav2Vec2's and HuBERT's positional convolution) was an
+    ATen fallback in eval: it is v * (g / ||v||), the norm over every dim but one."""
+    torch.manual_seed(0)
+    norm = torch.nn.utils.parametrizations.weight_norm
+    model = torch.nn.Sequential(norm(torch.nn.Conv1d(8, 8, 5, padding=2, groups=2), name="weight", dim=2),
+                                torch.nn.GELU(), norm(torch.nn.Conv1d(8, 4, 1), name="weight", dim=0)).eval()
+    _eval_through_dynamo(model, torch.randn(2, 8, 11), target)
+
+
+def _eval_through_dynamo(model, x, target) -> list:
+    """The model through torch.compile against eager, without gradients; its plans, none with a fallback."""
+    torch._dynamo.reset()
+    egc.last_plans(clear=True)
+    with torch.no_grad():
+        expected = model(x)
+        got = torch.compile(model, backend="egraph", options={"target": target})(x)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    plans = egc.last_plans()
+    assert plans and not [f for p in plans for f in p.fallbacks], [p.fallbacks for p in plans]
+    return plans
 
 
 def test_model_with_an_unsupported_layer_lists_its_fallback():
