@@ -10,7 +10,8 @@ square, GPT-J's and CodeGen's stacked rotary halves, Falcon's `x[:, [i]]`, Mixtr
   bound above the upper gives the upper), `clamp_max` the `minimum`;
 - `ceil(x)` is `-floor(-x)`, exact (integers are their own ceiling);
 - `square(x)` is `x * x`; `stack` is an unsqueeze of each tensor and a cat;
-- `_weight_norm(v, g, dim)` (a weight-normed layer in eval) is `v * (g / ||v||)`;
+- `_weight_norm(v, g, dim)` (a weight-normed layer in eval) is `v * (g / ||v||)`, and a vector
+  norm of order 2 (or 1) its sum of squares' root (or of absolute values);
 - `greater`, `less_equal`... are `gt`, `le`...
 
 capture.py reads this table with converters.py's."""
@@ -92,7 +93,21 @@ def _weight_norm(v, g, dim=0):
     return Node.make("mul", (v, Node.make("div", (g, norm))))
 
 
+def _vector_norm(x, ord=2, dim=None, keepdim=False, dtype=None):
+    """`torch.linalg.vector_norm` / `x.norm(dim=...)` for ord 2 (CLIP's `x / x.norm(dim=-1,
+    keepdim=True)`) and 1, over float32; other orders and dtypes: ATen."""
+    if x.dtype != "float32" or dtype is not None or ord not in (1, 2) or not x.shape:
+        return None
+    rank = len(x.shape)
+    dims = tuple(range(-rank, 0)) if dim is None or dim == [] else tuple(
+        sorted(ops.norm_dim(d, rank) - rank for d in ([dim] if isinstance(dim, int) else dim)))
+    terms = Node.make("abs", (x,)) if ord == 1 else Node.make("mul", (x, x))
+    total = Node.make("sum", (terms,), {"dims": dims, "keepdim": bool(keepdim)})
+    return total if ord == 1 else Node.make("sqrt", (total,))
+
+
 FORMS = {
+    aten.linalg_vector_norm.default: _vector_norm,
     aten._weight_norm.default: _weight_norm,
     aten.minimum.default: _minimum, aten.maximum.default: _maximum, aten.clamp_min.default: _maximum,
     aten.clamp.default: _clamp, aten.clamp.Tensor: _clamp,

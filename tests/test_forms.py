@@ -34,6 +34,9 @@ CASES = {  # name: (program, inputs)
     "index_after_a_slice": (lambda a: a[:, [-2]] * 2, [X]),  # Falcon's qkv[..., [-2], :]
     "index_after_two_slices": (lambda a: a[:, :, [3, 0, 1]] * 2, [X]),
     "index_by_a_matrix_after_a_slice": (lambda a, i: a[:, i] + 1, [X, torch.tensor([[1, -1], [0, 4]])]),
+    "l2_normalise": (lambda a: a / a.norm(dim=-1, keepdim=True), [X]),  # CLIP's embeddings
+    "vector_norms": (lambda a: torch.linalg.vector_norm(a, ord=1, dim=(0, 2)) + a.norm(), [X]),
+    "f_normalize": (lambda a: F.normalize(a, dim=1), [X]),
 }
 
 
