@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .converters import _cast, _cat, _conv2d, _expand, _fill, _pair, _reshape, _slice
+from .converters import _cast, _cat, _conv2d, _expand, _fill, _layer_norm, _pair, _reshape, _slice
 from .graph import Node, const
 
 aten = torch.ops.aten
@@ -190,8 +190,7 @@ def _group_norm(x, groups, w=None, b=None, eps=1e-5, cudnn_enabled=True):
     if len(x.shape) < 2 or x.dtype != "float32" or x.numel == 0 or x.shape[1] % groups:
         return None
     grouped = _reshape(x, (x.shape[0], groups, x.numel // (x.shape[0] * groups)))
-    out = _reshape(Node.make("layer_norm", (grouped, const(1.0), const(0.0)), {"ndim": 1, "eps": float(eps)}),
-                   x.shape)
+    out = _reshape(_layer_norm(grouped, grouped.shape[-1:], eps=eps), x.shape)
     channel = (x.shape[1],) + (1,) * (len(x.shape) - 2)
     out = out if w is None else Node.make("mul", (out, _reshape(w, channel)))
     return out if b is None else Node.make("add", (out, _reshape(b, channel)))

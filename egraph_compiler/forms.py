@@ -89,8 +89,7 @@ def _weight_norm(v, g, dim=0):
     dims = tuple(d - rank for d in range(rank) if d != keep)
     if not dims:
         return None
-    norm = Node.make("sqrt", (Node.make("sum", (Node.make("mul", (v, v)),), {"dims": dims, "keepdim": True}),))
-    return Node.make("mul", (v, Node.make("div", (g, norm))))
+    return Node.make("mul", (v, Node.make("div", (g, _vector_norm(v, 2, list(dims), keepdim=True)))))
 
 
 def _vector_norm(x, ord=2, dim=None, keepdim=False, dtype=None):
