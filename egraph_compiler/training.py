@@ -14,7 +14,10 @@ kernels take it, and is written out (softmax(q k^T s) v) elsewhere.
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
+import torch.utils._pytree as pytree
 from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
 from torch._decomp import get_decompositions
 from torch._dynamo.backends.common import aot_autograd
@@ -22,6 +25,7 @@ from torch._guards import TracingContext
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from . import flash
+from .errors import EagerFallbackWarning
 from .capture import retarget
 
 aten = torch.ops.aten
@@ -99,6 +103,8 @@ def training_backend(gm: torch.fx.GraphModule, example_inputs, compile_graph):
         lent by a CUDA graph, not copied (graphs.py), and backward reads them in place."""
         context = TracingContext.try_get()
         metadata = context.fw_metadata if context is not None else None
+        if metadata is not None:
+            _check_user_outputs(gm, graph, metadata)
         return compiler(graph, inputs, lend_outputs=metadata.num_forward if metadata is not None else None)
 
     def backward_compiler(graph: torch.fx.GraphModule, inputs):
@@ -107,7 +113,54 @@ def training_backend(gm: torch.fx.GraphModule, example_inputs, compile_graph):
 
     backend = aot_autograd(fw_compiler=forward_compiler, bw_compiler=backward_compiler, decompositions=table,
                            partition_fn=min_cut_rematerialization_partition, keep_inference_input_mutations=True)
-    return backend(gm, example_inputs)
+    try:
+        return backend(gm, example_inputs)
+    except _Misaligned as e:
+        warnings.warn(f"{e}: this graph runs eagerly ({_first_line(gm)})", EagerFallbackWarning, stacklevel=2)
+        return gm.forward
+
+
+class _Misaligned(Exception):
+    """AOTAutograd's forward graph does not return the user's outputs where its metadata says."""
+
+
+def _check_user_outputs(gm: torch.fx.GraphModule, forward: torch.fx.GraphModule, metadata) -> None:
+    """AOTAutograd (torch 2.13) can trace a forward graph that returns an input in place of a user
+    output: a buffer updated in place with a value that requires grad, beside a buffer's `+=`
+    (`self.steps += 1`), gave the step count as the model's output, under Inductor too.  The user
+    outputs follow the mutated inputs' new values; each must have the shape and dtype Dynamo's graph
+    gave it, and one that aliases nothing must not be an input of the graph."""
+    expected = [a.meta.get("example_value") if isinstance(a, torch.fx.Node) else a
+                for a in pytree.tree_leaves(next(n for n in gm.graph.nodes if n.op == "output").args[0])]
+    returned = list(forward.graph.nodes)[-1].args[0]
+    start = metadata.num_mutated_inp_runtime_indices
+    for i, (info, want) in enumerate(zip(metadata.output_info, expected)):
+        got = returned[start + i] if start + i < len(returned) else None
+        if not isinstance(want, torch.Tensor) or not isinstance(got, torch.fx.Node):
+            continue
+        val = got.meta.get("val")
+        if (not isinstance(val, torch.Tensor) or val.shape != want.shape or val.dtype != want.dtype
+                or (info.output_type.name == "non_alias" and got.op == "placeholder")):
+            raise _Misaligned(f"torch's AOTAutograd traced a forward graph whose output {i} is not the "
+                              f"program's (a {_describe(val)} where the program returns a {_describe(want)}; "
+                              f"a buffer updated in place with a value that requires grad can cause it: detach "
+                              f"that value, or update the buffer under torch.no_grad())")
+
+
+def _describe(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{str(value.dtype).removeprefix('torch.')}{list(value.shape)}"
+    return type(value).__name__
+
+
+def _first_line(gm: torch.fx.GraphModule) -> str:
+    """The user's first source line in the graph, to say which graph runs eagerly."""
+    for node in gm.graph.nodes:
+        trace = [line.strip() for line in (node.meta.get("stack_trace") or "").splitlines()]
+        files = [i for i, line in enumerate(trace) if line.startswith("File ")]
+        if files:
+            return ": ".join(trace[files[-1]:files[-1] + 2])
+    return "a graph with no source line"
 
 
 def _real(fake: torch.Tensor) -> torch.Tensor:

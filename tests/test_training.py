@@ -1,5 +1,7 @@
 """Training through torch.compile(backend="egraph"): AOTAutograd's forward and
 backward graphs both go through the pipeline; gradients are checked against eager."""
+import warnings
+
 import pytest
 import torch
 
@@ -199,6 +201,52 @@ def test_convnet_with_batch_norm_trains_like_eager():
             torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6, msg=lambda m: f"step {step} {name}: {m}")
     plans = egc.last_plans()
     assert len(plans) >= 2 and not any(p.fallbacks for p in plans), [p.fallbacks for p in plans]
+
+
+class _Tracked(torch.nn.Module):
+    """A step counter (`+=` on a buffer) and a running mean of activations, updated with or
+    without `detach()` (the mistake: in eager, the buffer then requires grad)."""
+
+    def __init__(self, detach: bool):
+        super().__init__()
+        self.detach = detach
+        self.w = torch.nn.Parameter(torch.randn(8, generator=torch.Generator().manual_seed(2)))
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+        self.register_buffer("ema", torch.zeros(8))
+
+    def forward(self, x):
+        y = x * self.w
+        self.steps += 1
+        mean = y.mean(0)
+        self.ema.copy_(mean.detach() if self.detach else mean)
+        return y.sum(-1)
+
+
+@pytest.mark.parametrize("detach", [True, False])
+def test_buffers_updated_in_training_never_take_the_outputs_place(detach):
+    """torch 2.13's AOTAutograd traced the undetached form's forward with the step count where
+    the model's output belongs (a 0-d tensor came back, under Inductor too).  Ours checks the
+    forward graph's user outputs against Dynamo's and runs such a graph eagerly, warned; the
+    detached form compiles.  Outputs, gradients and buffers as eager's over three steps."""
+    model, reference = _Tracked(detach), _Tracked(detach)
+    compiled = _compile(model)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(4))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(3):
+            got, want = compiled(x * (step + 1)), reference(x * (step + 1))
+            torch.testing.assert_close(got, want)
+            got.sum().backward()
+            want.sum().backward()
+    eager = [w for w in caught if issubclass(w.category, egc.EagerFallbackWarning)]
+    assert bool(eager) == (not detach), [str(w.message) for w in caught]
+    if eager:
+        assert "requires grad" in str(eager[0].message) and "runs eagerly" in str(eager[0].message)
+    else:
+        assert egc.last_plans()
+    torch.testing.assert_close(model.w.grad, reference.w.grad)
+    torch.testing.assert_close(model.ema, reference.ema)
+    assert model.steps.item() == reference.steps.item() == 3
 
 
 @pytest.mark.parametrize("target", ["cpu", "triton"])
