@@ -25,6 +25,7 @@ from torch.utils import _pytree as pytree
 from . import ops
 from .errors import CaptureError
 from .converters import CONVERTERS
+from .decompose import missing
 from .convnets import CONVNETS
 from .encoder import ENCODER
 from .forms import FORMS
@@ -69,7 +70,7 @@ def export_aten(module: torch.nn.Module, example_inputs, dynamic_shapes=None) ->
                                                   dynamic_shapes=dynamic_shapes)
             except Exception as exc:  # torch's own message names the failing construct
                 raise CaptureError(f"torch.export could not capture the program: {exc}") from exc
-        return program if _functional_already(program) else program.run_decompositions({})
+        return program if _functional_already(program) else program.run_decompositions(missing(TABLE))
 
 
 def _functional_already(program) -> bool:
@@ -85,7 +86,7 @@ def _functional_already(program) -> bool:
 
 
 def _kept_whole(target) -> bool:
-    if not isinstance(target, torch._ops.OpOverload) or target._schema.is_mutable:
+    if not isinstance(target, torch._ops.OpOverload) or target._schema.is_mutable or target in missing(TABLE):
         return False
     if torch.Tag.maybe_aliasing_or_mutating in target.tags or target is aten.native_batch_norm.default:
         return False  # (export always decomposes these: native_batch_norm writes its running statistics
