@@ -38,6 +38,7 @@ TL = {"float32": "tl.float32", "float16": "tl.float16", "bfloat16": "tl.bfloat16
 
 SCALAR_OPS = {
     "exp": "tl.exp({0})", "log": "tl.log({0})", "tanh": "(2.0 * tl.sigmoid(2.0 * ({0})) - 1.0)",
+    "log1p": "_egc_log1p({0})", "expm1": "_egc_expm1({0})",
     "erf": "tl.math.erf({0})", "cos": "tl.cos({0})", "sin": "tl.sin({0})", "floor": "tl.floor({0})", "relu": "tl.where(({0}) < 0, 0.0, ({0}))", "sigmoid": "tl.sigmoid({0})",
     "neg": "(-({0}))", "abs": "tl.abs({0})", "sqrt": "tl.sqrt({0})", "rsqrt": "tl.rsqrt({0})",
     "silu": "(({0}) * tl.sigmoid({0}))",
@@ -77,6 +78,22 @@ def _egc_pow(a, b):
     m = tl.where((a < 0) & odd, -m, m)
     m = tl.where((a < 0) & ~whole, INF - INF, m)
     return tl.where(a == 0, tl.where(b > 0, 0.0, tl.where(b == 0, 1.0, INF)), m)
+
+
+@triton.jit
+def _egc_log1p(x):  # log(1 + x) without 1 + x's rounding (Kahan): log(u) * x / (u - 1), exact where u - 1 is 0
+    u = 1.0 + x
+    d = u - 1.0
+    return tl.where((d == 0.0) | (x == INF), x, tl.log(u) * (x / tl.where(d == 0.0, 1.0, d)))
+
+
+@triton.jit
+def _egc_expm1(x):  # exp(x) - 1 without the cancellation (Kahan): (u - 1) * x / log(u) for u = exp(x)
+    u = tl.exp(x)
+    d = u - 1.0
+    near = (d == 0.0) | (d == -1.0) | (u == INF)  # x itself, -1, inf
+    r = d * (x / tl.log(tl.where(near, 2.0, u)))
+    return tl.where(d == 0.0, x, tl.where(near, d, r))
 
 
 @triton.jit

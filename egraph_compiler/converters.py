@@ -33,8 +33,8 @@ def _neg_dims(dims, rank):
 
 def _reduce(op):
     def convert(x, dims=None, keepdim=False, dtype=None):
-        if dtype is not None:
-            return None
+        if dtype is not None and str(dtype).removeprefix("torch.") != x.dtype:  # (the input cast first, as torch)
+            x = Node.make("cast", (x,), {"dtype": str(dtype).removeprefix("torch.")})
         return Node.make(op, (x,), {"dims": _neg_dims(dims, len(x.shape)), "keepdim": bool(keepdim)})
     return convert
 
@@ -375,7 +375,7 @@ CONVERTERS = {
     aten.reciprocal.default: lambda x: Node.make("div", (const(1.0), x)),
 }
 for _name in ["exp", "log", "tanh", "erf", "cos", "sin", "floor", "relu", "sigmoid", "neg", "abs", "sqrt", "rsqrt",
-              "silu"]:
+              "silu", "log1p", "expm1"]:
     CONVERTERS[getattr(aten, _name).default] = _unary(_name)
 CONVERTERS[aten.floor.default] = lambda x: x if x.dtype in ops.INTEGERS else _unary("floor")(x)  # integers: as they are
 for _name in ["add", "sub", "mul", "maximum", "gt", "ge", "lt", "le", "eq", "ne"]:

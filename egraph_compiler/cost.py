@@ -154,7 +154,8 @@ def repeats(group: str, out_elements: float, operand_elements: float) -> float:
 # generated code runs them slower than its arithmetic, by the profile's measured factors
 TRANSCENDENTAL = {"exp": ("exp", 4), "log": ("exp", 4), "sigmoid": ("exp", 4), "silu": ("exp", 4),
                   "softmax": ("exp", 4), "log_softmax": ("exp", 7), "pow": ("exp", 4), "cos": ("exp", 6),
-                  "sin": ("exp", 6), "tanh": ("tanh", 6), "gelu_tanh": ("tanh", 6), "erf": ("tanh", 8),
+                  "sin": ("exp", 6), "log1p": ("exp", 6), "expm1": ("exp", 6), "tanh": ("tanh", 6),
+                  "gelu_tanh": ("tanh", 6), "erf": ("tanh", 8),
                   "gelu": ("tanh", 8)}
 
 

@@ -12,7 +12,10 @@ square, GPT-J's and CodeGen's stacked rotary halves, Falcon's `x[:, [i]]`, Mixtr
 - `square(x)` is `x * x`; `stack` is an unsqueeze of each tensor and a cat;
 - `_weight_norm(v, g, dim)` (a weight-normed layer in eval) is `v * (g / ||v||)`, and a vector
   norm of order 2 (or 1) its sum of squares' root (or of absolute values);
-- `greater`, `less_equal`... are `gt`, `le`...
+- `greater`, `less_equal`... are `gt`, `le`...;
+- activations as torch's kernels compute them: `hardtanh` (ReLU6) a clamp, `leaky_relu` and
+  `elu` (selu, celu) a `where` (elu's negative side `expm1`); `isnan(x)` is `x != x`, `isinf(x)`
+  `|x| == inf`, `amin` `-amax(-x)`, a xor of bools `a != b`.
 
 capture.py reads this table with converters.py's."""
 from __future__ import annotations
@@ -105,6 +108,56 @@ def _vector_norm(x, ord=2, dim=None, keepdim=False, dtype=None):
     return total if ord == 1 else Node.make("sqrt", (total,))
 
 
+def _float(x) -> bool:
+    return isinstance(x, Node) and x.dtype in ("float32", "bfloat16", "float16")
+
+
+def _scaled(x, factor):
+    return x if factor == 1 else Node.make("mul", (x, const(float(factor))))
+
+
+def _leaky_relu(x, negative_slope=0.01):
+    """x > 0 ? x : x * slope, torch's own form (NaN stays NaN)."""
+    if not _float(x):
+        return None
+    return Node.make("where", (Node.make("gt", (x, const(0.0))), x, _scaled(x, negative_slope)))
+
+
+def _elu(x, alpha=1.0, scale=1.0, input_scale=1.0):
+    """x <= 0 ? expm1(x * input_scale) * alpha * scale : x * scale, as torch's kernel (selu and
+    celu are this with other constants)."""
+    if not _float(x):
+        return None
+    negative = _scaled(Node.make("expm1", (_scaled(x, input_scale),)), alpha * scale)
+    return Node.make("where", (Node.make("le", (x, const(0.0))), negative, _scaled(x, scale)))
+
+
+def _isnan(x):
+    return Node.make("ne", (x, x)) if _float(x) else None
+
+
+def _isinf(x):
+    return Node.make("eq", (Node.make("abs", (x,)), const(float("inf")))) if _float(x) else None
+
+
+def _amin(x, dim=(), keepdim=False):
+    """-amax(-x): negation is exact, and a NaN in the row wins either way."""
+    if not _float(x):
+        return None
+    rank = len(x.shape)
+    dims = tuple(range(-rank, 0)) if not dim else tuple(sorted(ops.norm_dim(d, rank) - rank for d in (
+        [dim] if isinstance(dim, int) else dim)))
+    largest = Node.make("amax", (Node.make("neg", (x,)),), {"dims": dims, "keepdim": bool(keepdim)})
+    return Node.make("neg", (largest,))
+
+
+def _xor(a, b):
+    """Of two bool tensors: a != b."""
+    if not all(isinstance(t, Node) and t.dtype == "bool" for t in (a, b)):
+        return None
+    return Node.make("ne", (a, b))
+
+
 FORMS = {
     aten.linalg_vector_norm.default: _vector_norm,
     aten._weight_norm.default: _weight_norm,
@@ -115,6 +168,10 @@ FORMS = {
     aten.ceil.default: _ceil,
     aten.square.default: lambda x: Node.make("mul", (x, x)),
     aten.stack.default: _stack,
+    aten.hardtanh.default: lambda x, min_val=-1.0, max_val=1.0: _clamp(x, min_val, max_val) if _float(x) else None,
+    aten.leaky_relu.default: _leaky_relu, aten.elu.default: _elu,
+    aten.isnan.default: _isnan, aten.isinf.default: _isinf, aten.amin.default: _amin,
+    aten.bitwise_xor.Tensor: _xor, aten.__xor__.Tensor: _xor, aten.logical_xor.default: _xor,
 }
 for _alias, _name in [("greater", "gt"), ("greater_equal", "ge"), ("less", "lt"), ("less_equal", "le"),
                       ("not_equal", "ne")]:

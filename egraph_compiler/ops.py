@@ -273,6 +273,7 @@ _op("const", "source", 0, [("value", "float")], leaf_shape, 0, _scalar_reference
 for _name, _flops, _fn in [
     ("exp", 4, torch.exp), ("log", 4, torch.log), ("tanh", 6, torch.tanh), ("erf", 8, torch.erf),
     ("cos", 6, torch.cos), ("sin", 6, torch.sin), ("floor", 1, torch.floor),
+    ("log1p", 6, torch.log1p), ("expm1", 6, torch.expm1),
     ("relu", 1, torch.relu), ("sigmoid", 6, torch.sigmoid), ("neg", 1, torch.neg),
     ("abs", 1, torch.abs), ("sqrt", 2, torch.sqrt), ("rsqrt", 2, torch.rsqrt),
     ("silu", 6, F.silu), ("gelu", 10, F.gelu), ("gelu_tanh", 12, lambda x: F.gelu(x, approximate="tanh")),

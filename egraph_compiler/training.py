@@ -26,7 +26,8 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from . import flash
 from .errors import EagerFallbackWarning
-from .capture import retarget
+from .capture import TABLE, retarget
+from .decompose import missing
 
 aten = torch.ops.aten
 
@@ -97,7 +98,8 @@ def training_backend(gm: torch.fx.GraphModule, example_inputs, compile_graph):
                 return make_boxed_func(static)
         return make_boxed_func(run)
 
-    table = get_decompositions(DECOMPOSED) | {aten.scaled_dot_product_attention.default: _sdpa_math}
+    table = (missing(TABLE) | get_decompositions(DECOMPOSED)
+             | {aten.scaled_dot_product_attention.default: _sdpa_math})  # (losses, roll, ...: decompose.py)
     def forward_compiler(graph: torch.fx.GraphModule, inputs):
         """The forward returns the user's outputs, then the activations backward reads: those are
         lent by a CUDA graph, not copied (graphs.py), and backward reads them in place."""

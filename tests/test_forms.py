@@ -1,5 +1,5 @@
 """Ops that real models write which the op table holds in another form (forms.py and
-indexing.py): each compiles with no ATen fallback and matches eager, on the C++ target and
+indexing.py, torch's core decompositions: decompose.py): each compiles with no ATen fallback and matches eager, on the C++ target and
 under the Triton interpreter, for floats with NaN, integers and bfloat16.  And bilinear
 resampling to a size, a library call (BEiT)."""
 import pytest
@@ -13,6 +13,8 @@ X = torch.randn(3, 5, 4)
 X[0, 0, 0] = float("nan")
 X[1, 2, 3] = float("-inf")
 I = torch.randint(-10, 10, (3, 5, 4))
+E = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, -1.0, -0.5, 1e-8, -1e-8, 1e-30, 0.5, 3.0,
+                  20.0, -20.0, 88.0, 89.0, -100.0, 100.0, 1e-4, -1e-4])
 
 CASES = {  # name: (program, inputs)
     "minimum": (lambda a, b: torch.minimum(a, b), [X, torch.randn(5, 4)]),
@@ -37,6 +39,23 @@ CASES = {  # name: (program, inputs)
     "l2_normalise": (lambda a: a / a.norm(dim=-1, keepdim=True), [X]),  # CLIP's embeddings
     "vector_norms": (lambda a: torch.linalg.vector_norm(a, ord=1, dim=(0, 2)) + a.norm(), [X]),
     "f_normalize": (lambda a: F.normalize(a, dim=1), [X]),
+    # activations and tests by torch's kernels' own forms; log1p and expm1 where rounding shows
+    "log1p_expm1": (lambda a: torch.log1p(a) + torch.expm1(a) * 2, [E]),
+    "log1p_of_integers": (lambda a: torch.log1p(a + 10), [I]),
+    "softplus": (lambda a: F.softplus(a) + F.softplus(a, beta=2.0, threshold=3.0), [E]),  # (core decomposition)
+    "elu_selu_celu": (lambda a: F.elu(a) + F.selu(a) + F.celu(a, 2.0), [E]),
+    "relu6_hardtanh": (lambda a: F.relu6(a) + F.hardtanh(a, -2.0, 3.0), [X]),
+    "leaky_relu": (lambda a: F.leaky_relu(a, 0.2) - F.leaky_relu(a), [X]),
+    "nan_to_num": (lambda a: torch.nan_to_num(a, nan=0.5, posinf=2.0) + torch.isfinite(a).float(), [E]),
+    "amin": (lambda a: a.amin(-1), [X]),
+    "amin_of_two_dims": (lambda a: a.amin((0, 2), keepdim=True) + a, [X]),
+    "xor_of_masks": (lambda a: (a > 0) ^ torch.logical_xor(a < 1, a > -1), [X]),
+    "sum_of_integers_in_float32": (lambda a: a.sum(-1, dtype=torch.float32) / 3, [I]),
+    # torch's core decompositions (decompose.py) into the op table's ops
+    "einsum": (lambda a, b: torch.einsum("bij,bjk->bik", a, b), [X.nan_to_num(), torch.randn(3, 4, 2)]),
+    "logsumexp": (lambda a: a.logsumexp(-1), [X]),
+    "cross_entropy": (lambda a, t: F.cross_entropy(a, t, label_smoothing=0.1), [torch.randn(6, 5), torch.arange(6) % 5]),
+    "unbind_tril": (lambda a: sum(t.tril() * k for k, t in enumerate(a.unbind(0))), [X.nan_to_num()]),
 }
 
 
