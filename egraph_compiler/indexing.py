@@ -33,23 +33,28 @@ def wrapped(i, n: int):
     return Node.make("where", (Node.make("lt", (i, const(0.0))), Node.make("add", (i, const(float(n)))), i))
 
 
-def _index(x, indices):
+def _index(x, indices, wrap: bool = True):
     """x[i0, i1, ...] with integer tensors for x's first dims: x's rows (those dims flattened) picked
     by the flat index i0 * (n1 * ...) + i1 * ... (negative indices wrapped, as torch's), an
     embedding; the index tensors broadcast together.  After full slices (x[:, i], Falcon's
     `qkv[..., [-2], :]`) the indexed dims are moved to the front and the picked ones back to
-    where the first of them was, as torch places them.  Bool masks, and indices with a full
-    slice between them: ATen."""
+    where the first of them was, as torch places them.  An index outside its own dim's range
+    makes the flat index one past all rows (the gather raises), never another row.  Bool masks,
+    and indices with a full slice between them: ATen."""
     lead = next((k for k, i in enumerate(indices) if i is not None), len(indices))
     if lead:
-        return _index_after_slices(x, list(indices[lead:]), lead)
+        return _index_after_slices(x, list(indices[lead:]), lead, wrap)
     if (not indices or len(indices) > len(x.shape)
             or any(i is None or i.dtype not in ops.INTEGERS for i in indices)):
         return None
     dims, rest = x.shape[:len(indices)], x.shape[len(indices):]
     flat = None
     for k, (i, n) in enumerate(zip(indices, dims)):
-        i = wrapped(i, n)
+        i = wrapped(i, n) if wrap else i
+        if len(indices) > 1:  # (one out of its dim's range could land on another row: made out of all of them)
+            total = const(float(math.prod(dims)))
+            i = Node.make("where", (Node.make("lt", (i, const(0.0))), total,
+                                    Node.make("where", (Node.make("lt", (i, const(float(n)))), i, total))))
         stride = math.prod(dims[k + 1:])
         term = i if stride == 1 else Node.make("mul", (i, const(float(stride))))
         flat = term if flat is None else Node.make("add", (flat, term))
@@ -57,17 +62,26 @@ def _index(x, indices):
     return _reshape(picked, list(flat.shape) + list(rest))
 
 
-def _index_after_slices(x, indices, lead: int):
+def _index_after_slices(x, indices, lead: int, wrap: bool):
     rank, count = len(x.shape), len(indices)
     if not indices or lead + count > rank or any(i is None for i in indices):
         return None
     order = tuple(range(lead, lead + count)) + tuple(range(lead)) + tuple(range(lead + count, rank))
-    picked = _index(Node.make("permute", (x,), {"dims": order}), indices)
+    picked = _index(Node.make("permute", (x,), {"dims": order}), indices, wrap)
     if picked is None:
         return None
     k = len(picked.shape) - (rank - count)  # the index tensors' broadcast dims, now in front
     back = tuple(range(k, k + lead)) + tuple(range(k)) + tuple(range(k + lead, len(picked.shape)))
     return Node.make("permute", (picked,), {"dims": back})
+
+
+def _index_select(x, dim, index):
+    """x's entries along `dim` picked by a 1-d index (torch's core decomposition of `roll`, Swin's
+    shifted windows, reads this way): x[:, ..., index] by `_index`; a negative index is out of
+    range, as torch's index_select has it (x[index] counts it from the end)."""
+    if not x.shape or len(index.shape) != 1 or index.dtype not in ops.INTEGERS:
+        return None
+    return _index(x, [None] * ops.norm_dim(dim, len(x.shape)) + [index], wrap=False)
 
 
 def _cumsum(x, dim, dtype=None):
@@ -85,7 +99,6 @@ INDEXING = {
     aten.cumsum.default: _cumsum,
     aten.embedding.default: _embedding,
     aten.gather.default: _gather,
-    aten.index_select.default: lambda x, dim, i: _embedding(x, i) if dim % max(len(x.shape), 1) == 0 and len(
-        i.shape) == 1 else None,
+    aten.index_select.default: _index_select,
     aten.index.Tensor: _index,
 }

@@ -127,3 +127,38 @@ def test_advanced_indexing_is_a_gather(target):
         compiled(mask, x, table, rows, cols)
     with pytest.raises(IndexError):
         masked_rows(mask, x, table, rows, cols)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_an_index_past_its_own_dim_is_an_error_even_where_the_flat_row_exists(target):
+    """x[i, j] reads row i * n1 + j of x's rows: j = n1 (or i = -n0 - 1 after wrapping) would land
+    on another row that exists.  Eager raises, and so does ours; in range (negatives too) it reads."""
+    x = torch.randn(4, 5, 3)
+    pick = lambda x, i, j: x[i, j] * 2  # noqa: E731
+    compiled = egc.compile(pick, [x, torch.tensor([0, 1]), torch.tensor([2, 3])], target=target)
+    i, j = torch.tensor([3, -4]), torch.tensor([-1, 4])
+    torch.testing.assert_close(compiled(x, i, j), pick(x, i, j))
+    for i, j in (([0, 1], [5, 0]), ([0, -5], [1, 2]), ([3, 0], [4, -6]), ([4, 0], [0, 0])):
+        i, j = torch.tensor(i), torch.tensor(j)
+        with pytest.raises(IndexError):
+            pick(x, i, j)
+        with pytest.raises(IndexError):
+            compiled(x, i, j)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_index_select_along_any_dim_and_roll_are_gathers(target):
+    """index_select along a middle or last dim, and `roll` (torch's core decomposition reads it by
+    index_select: Swin's shifted windows); a negative index_select index is an error, as eager's."""
+    x = torch.randn(2, 6, 5, 3)
+    fn = lambda x, i: (x.index_select(2, i) + 1, x.roll((-3, 2), (1, 2)) * 2, x.roll(1))  # noqa: E731
+    i = torch.tensor([4, 0, 0, 2])
+    compiled = egc.compile(fn, [x, i], target=target)
+    assert not compiled.plan.fallbacks, compiled.plan.fallbacks
+    for got, want in zip(compiled(x, i), fn(x, i)):
+        torch.testing.assert_close(got, want)
+    for bad in ([0, 5, 1, 1], [-1, 2, 0, 0]):
+        with pytest.raises((IndexError, RuntimeError)):
+            fn(x, torch.tensor(bad))
+        with pytest.raises(IndexError):
+            compiled(x, torch.tensor(bad))
