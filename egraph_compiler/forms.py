@@ -15,7 +15,9 @@ square, GPT-J's and CodeGen's stacked rotary halves, Falcon's `x[:, [i]]`, Mixtr
 - `greater`, `less_equal`... are `gt`, `le`...;
 - activations as torch's kernels compute them: `hardtanh` (ReLU6) a clamp, `leaky_relu` and
   `elu` (selu, celu) a `where` (elu's negative side `expm1`); `isnan(x)` is `x != x`, `isinf(x)`
-  `|x| == inf`, `amin` `-amax(-x)`, a xor of bools `a != b`.
+  `|x| == inf`, `amin` `-amax(-x)`, a xor of bools `a != b`;
+- `slice_scatter` and `select_scatter` (`x[:, a:b] = y` once functionalised) a cat of x's parts
+  around y.
 
 capture.py reads this table with converters.py's."""
 from __future__ import annotations
@@ -23,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from . import ops
-from .converters import _binary, _cat, _t, _unsqueeze
+from .converters import _binary, _cat, _slice, _t, _unsqueeze
 from .graph import Node, const
 
 aten = torch.ops.aten
@@ -151,6 +153,28 @@ def _amin(x, dim=(), keepdim=False):
     return Node.make("neg", (largest,))
 
 
+def _slice_scatter(x, src, dim=0, start=None, end=None, step=1):
+    """`x[:, a:b] = src` once functionalised (a KV cache's update, a setitem): x's part before the
+    slice, src, x's part after it, one cat; steps other than 1: ATen."""
+    if step != 1 or not x.shape or src.dtype != x.dtype or len(src.shape) != len(x.shape):
+        return None
+    d = ops.norm_dim(dim, len(x.shape))
+    start, end, _ = slice(start, end, 1).indices(x.shape[d])
+    end = max(start, end)
+    if src.shape != x.shape[:d] + (end - start,) + x.shape[d + 1:]:
+        return None
+    return _cat([_slice(x, d, 0, start), src, _slice(x, d, end, x.shape[d])], d)
+
+
+def _select_scatter(x, src, dim, index):
+    """`x[:, i] = src`: the slice i:i+1 scattered."""
+    if not x.shape:
+        return None
+    d = ops.norm_dim(dim, len(x.shape))
+    index = index + x.shape[d] if index < 0 else index
+    return _slice_scatter(x, _unsqueeze(src, d), d, index, index + 1) if 0 <= index < x.shape[d] else None
+
+
 def _xor(a, b):
     """Of two bool tensors: a != b."""
     if not all(isinstance(t, Node) and t.dtype == "bool" for t in (a, b)):
@@ -171,6 +195,7 @@ FORMS = {
     aten.hardtanh.default: lambda x, min_val=-1.0, max_val=1.0: _clamp(x, min_val, max_val) if _float(x) else None,
     aten.leaky_relu.default: _leaky_relu, aten.elu.default: _elu,
     aten.isnan.default: _isnan, aten.isinf.default: _isinf, aten.amin.default: _amin,
+    aten.slice_scatter.default: _slice_scatter, aten.select_scatter.default: _select_scatter,
     aten.bitwise_xor.Tensor: _xor, aten.__xor__.Tensor: _xor, aten.logical_xor.default: _xor,
 }
 for _alias, _name in [("greater", "gt"), ("greater_equal", "ge"), ("less", "lt"), ("less_equal", "le"),

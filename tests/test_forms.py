@@ -16,6 +16,15 @@ I = torch.randint(-10, 10, (3, 5, 4))
 E = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, -1.0, -0.5, 1e-8, -1e-8, 1e-30, 0.5, 3.0,
                   20.0, -20.0, 88.0, 89.0, -100.0, 100.0, 1e-4, -1e-4])
 
+def _assigned(a):
+    y = a.clone()
+    y[:, 1:3] = y[:, 1:3] * 0.5  # a KV cache's `cache[:, :, pos] = k` in its functional form
+    y[:, 0] = 1.0
+    y[-1] += 2
+    y[..., 2:] = -y[..., :2]
+    return y
+
+
 CASES = {  # name: (program, inputs)
     "minimum": (lambda a, b: torch.minimum(a, b), [X, torch.randn(5, 4)]),
     "minimum_integers": (lambda a, b: torch.minimum(a, b), [I, torch.randint(-5, 5, (5, 4))]),
@@ -51,6 +60,7 @@ CASES = {  # name: (program, inputs)
     "amin_of_two_dims": (lambda a: a.amin((0, 2), keepdim=True) + a, [X]),
     "xor_of_masks": (lambda a: (a > 0) ^ torch.logical_xor(a < 1, a > -1), [X]),
     "sum_of_integers_in_float32": (lambda a: a.sum(-1, dtype=torch.float32) / 3, [I]),
+    "slice_and_select_assignments": (_assigned, [X]),  # slice_scatter / select_scatter
     # torch's core decompositions (decompose.py) into the op table's ops
     "einsum": (lambda a, b: torch.einsum("bij,bjk->bik", a, b), [X.nan_to_num(), torch.randn(3, 4, 2)]),
     "logsumexp": (lambda a: a.logsumexp(-1), [X]),
