@@ -7,8 +7,7 @@ import os
 
 import torch
 
-from .capture import bind_sizes, scalar_slots
-from .symbolic import Symbolic, constants
+from .symbolic import Symbolic, bind_sizes, constants, scalar_slots
 from .errors import InputError, OptionError
 from .pipeline import REPORT_ENV, Levels, Options, run_pipeline
 

@@ -12,6 +12,7 @@ sizes, exported once), the only module that imports torch.export / torch.fx.
 from __future__ import annotations
 
 import inspect
+import itertools
 import math
 import operator
 import os
@@ -331,6 +332,9 @@ def _arg(a, env):
     return a
 
 
+_CALL_ORDER = itertools.count()  # ExternCall.order: increasing in the order capture meets calls
+
+
 def _extern(fx_node, env, reason: str) -> object:
     tensors, template, dense = [], [], []
 
@@ -348,6 +352,7 @@ def _extern(fx_node, env, reason: str) -> object:
     val = fx_node.meta["val"]
     vals = list(val) if isinstance(val, (list, tuple)) else [val]
     results, pending = [], {}  # one dict shared by the outputs of one call (ExternCall.pending)
+    order = next(_CALL_ORDER)
     for i, v in enumerate(vals):
         if v is None:  # an output the call does not compute (convolution_backward's unasked-for gradients)
             results.append(None)
@@ -355,7 +360,7 @@ def _extern(fx_node, env, reason: str) -> object:
         call = ExternCall(fx_node.target, template, kwargs, tuple(v.shape),
                           str(v.dtype).removeprefix("torch."),
                           i if isinstance(val, (list, tuple)) else None, user_line(fx_node), reason=reason,
-                          pending=pending, dense=tuple(dense))
+                          pending=pending, dense=tuple(dense), order=order)
         object.__setattr__(call, "key", f"{fx_node.target}#{id(call):x}")
         results.append(Node.make("extern", tuple(tensors), {"target": call}, shape=call.shape, dtype=call.dtype))
     return results if isinstance(val, (list, tuple)) else results[0]
@@ -369,31 +374,3 @@ def retarget(gm: torch.fx.GraphModule, targets, replacement) -> torch.fx.GraphMo
             node.target = replacement
     gm.recompile()
     return gm
-
-
-def scalar_slots(gm: torch.fx.GraphModule) -> frozenset[int]:
-    """Arguments that Dynamo made of a Python float whose value changed between
-    calls: 0-d tensors the graph reads only through `.item()`."""
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    return frozenset(i for i, n in enumerate(placeholders)
-                     if n.users and all(u.op == "call_method" and u.target == "item" for u in n.users))
-
-
-def bind_sizes(gm: torch.fx.GraphModule, args: list, scalars: frozenset = frozenset()) -> torch.fx.GraphModule:
-    """The graph with its non-tensor arguments (SymInts at capture) and its
-    `scalars` (scalar_slots) replaced by this call's values: a static graph
-    over the other tensor arguments alone."""
-    graph, env = torch.fx.Graph(), {}
-    placeholders = iter(enumerate(args))
-    items = {}
-    for node in gm.graph.nodes:
-        i, value = next(placeholders) if node.op == "placeholder" else (None, None)
-        if node.op == "placeholder" and i in scalars:
-            items[node] = value.item()
-        elif node.op == "call_method" and node.target == "item" and node.args[0] in items:
-            env[node] = items[node.args[0]]
-        elif node.op == "placeholder" and not isinstance(value, torch.Tensor):
-            env[node] = value
-        else:
-            env[node] = graph.node_copy(node, lambda n: env[n])
-    return torch.fx.GraphModule(gm, graph)

@@ -52,9 +52,16 @@ class ExternCall:
     # may be laid out otherwise, and ops autograd calls internally assume the layout it gives them:
     # _weight_norm_interface_backward reads a channels-last gradient wrongly)
     dense: tuple = ()
+    # the call's place in the program (capture's order): random ops run in it, as eager draws them
+    order: int = 0
 
     def __str__(self):
         return self.key or str(self.target)
+
+    @property
+    def random(self) -> bool:
+        """Draws from torch's random stream (dropout, rand): its place in the program matters."""
+        return torch.Tag.nondeterministic_seeded in getattr(self.target, "tags", ())
 
     def run(self, tensors: list[torch.Tensor]) -> torch.Tensor:
         if self.item is not None and self.item in self.pending:

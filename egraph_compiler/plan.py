@@ -141,11 +141,21 @@ def _viewed_producers(graph: Graph, profile: DeviceProfile) -> Graph:
     return rebuild(graph, substitute)
 
 
+def _random_order(graph: Graph) -> dict[int, Node]:
+    """Each random ATen call (dropout, rand) -> the one before it in the program: kernels follow
+    data dependencies, and these also follow each other, so that with a fixed seed each draws
+    what eager's did."""
+    calls = sorted((n for n in graph.topo() if n.op == "extern" and n.attr("target").random),
+                   key=lambda n: (n.attr("target").order, n.attr("target").item or 0))
+    return {id(b): a for a, b in zip(calls, calls[1:])}
+
+
 def _kernels(graph: Graph, profile: DeviceProfile, target, alias_inputs: bool = False) -> Plan:
     kernels: list[Kernel] = []
     fallbacks: list[str] = []
     done: set[int] = set()
     called = _called_views(graph)
+    earlier = _random_order(graph)
     stack = [(o, False) for o in reversed(graph.outputs)]
     while stack:
         node, ready = stack.pop()
@@ -162,6 +172,8 @@ def _kernels(graph: Graph, profile: DeviceProfile, target, alias_inputs: bool = 
         if not ready:
             stack.append((node, True))
             stack.extend((i, False) for i in reversed(inputs) if id(i) not in done)
+            if id(node) in earlier and id(earlier[id(node)]) not in done:
+                stack.append((earlier[id(node)], False))  # (the random call before it runs first)
             continue
         done.add(id(node))
         kind, reason = _kind(node, body, inputs, target)

@@ -51,7 +51,7 @@ class Symbolic:
 
 def constants(gm: torch.fx.GraphModule, args: list, scalars: frozenset) -> dict:
     """The arguments a graph is exported with as constants (placeholder index -> value): a float
-    argument's value (capture.scalar_slots: a 0-d tensor read by `.item()`) and a plain Python
+    argument's value (scalar_slots: a 0-d tensor read by `.item()`) and a plain Python
     value that is not a size (an int the function closed over)."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     return {i: a.item() if i in scalars else a for i, (node, a) in enumerate(zip(placeholders, args))
@@ -193,3 +193,31 @@ def _holds_tensor(result) -> bool:
     if isinstance(result, torch.Tensor):
         return True
     return isinstance(result, (list, tuple)) and any(isinstance(r, torch.Tensor) for r in result)
+
+
+def scalar_slots(gm: torch.fx.GraphModule) -> frozenset[int]:
+    """Arguments that Dynamo made of a Python float whose value changed between
+    calls: 0-d tensors the graph reads only through `.item()`."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    return frozenset(i for i, n in enumerate(placeholders)
+                     if n.users and all(u.op == "call_method" and u.target == "item" for u in n.users))
+
+
+def bind_sizes(gm: torch.fx.GraphModule, args: list, scalars: frozenset = frozenset()) -> torch.fx.GraphModule:
+    """The graph with its non-tensor arguments (SymInts at capture) and its
+    `scalars` (scalar_slots) replaced by this call's values: a static graph
+    over the other tensor arguments alone."""
+    graph, env = torch.fx.Graph(), {}
+    placeholders = iter(enumerate(args))
+    items = {}
+    for node in gm.graph.nodes:
+        i, value = next(placeholders) if node.op == "placeholder" else (None, None)
+        if node.op == "placeholder" and i in scalars:
+            items[node] = value.item()
+        elif node.op == "call_method" and node.target == "item" and node.args[0] in items:
+            env[node] = items[node.args[0]]
+        elif node.op == "placeholder" and not isinstance(value, torch.Tensor):
+            env[node] = value
+        else:
+            env[node] = graph.node_copy(node, lambda n: env[n])
+    return torch.fx.GraphModule(gm, graph)
