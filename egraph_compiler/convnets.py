@@ -2,7 +2,8 @@
 general `convolution` (AOTAutograd's form of conv2d) and its gradients, conv1d,
 batch norm in inference (per-channel arithmetic, which the rules fuse with the
 ops around it), adaptive average pooling to sizes that divide the input (a
-reshape and a mean; its gradient an expand; 1-d too), max pooling over windows
+reshape and a mean; its gradient an expand; 1-d too; `avg_pool2d` where its windows tile
+the input likewise), max pooling over windows
 that tile the input (a reshape and an amax; other windows the library's
 max_pool2d), constant padding (a cat of fills),
 and `copy` (a training graph's running statistics, written back).  In training,
@@ -124,6 +125,18 @@ def _pool_attrs(x, kernel, stride=(), padding=0, dilation=1, ceil_mode=False):
             "padding": _pair(padding), "dilation": _pair(dilation), "ceil": bool(ceil_mode)}
 
 
+def _tiling_avg(x, kernel, stride=(), padding=0, ceil_mode=False, count_include_pad=True, divisor_override=None):
+    """avg_pool2d's windows where they tile the input (stride = kernel, no padding, sizes that
+    divide): adaptive pooling to the quotient; None otherwise (ATen)."""
+    if not _poolable(x) or divisor_override is not None:
+        return None
+    a = _pool_attrs(x, kernel, stride, padding, 1, ceil_mode)
+    if a["kernel"] != a["stride"] or any(a["padding"]) or a["ceil"] or any(
+            n % k for n, k in zip(x.shape[-2:], a["kernel"])):
+        return None
+    return [n // k for n, k in zip(x.shape[-2:], a["kernel"])]
+
+
 def _max_pool2d(x, *args):
     """Max pooling over windows that tile the input (stride = kernel, no padding or dilation,
     sizes that divide): a reshape and an amax; other windows (ResNet's overlapping 3x3 / 2,
@@ -209,6 +222,10 @@ CONVNETS = {
     aten._adaptive_avg_pool2d_backward.default: _adaptive_avg_pool2d_backward,
     aten.adaptive_avg_pool1d.default: _adaptive_avg_pool1d,
     aten.max_pool2d.default: _max_pool2d,
+    aten.avg_pool2d.default: lambda x, *args: None if (size := _tiling_avg(x, *args)) is None else
+    _adaptive_avg_pool2d(x, size),
+    aten.avg_pool2d_backward.default: lambda grad, x, *args: None if _tiling_avg(x, *args) is None else
+    _adaptive_avg_pool2d_backward(grad, x),
     aten.max_pool2d_with_indices.default: _max_pool2d_with_indices,
     aten.max_pool2d_with_indices_backward.default: _max_pool2d_backward,
     aten.copy.default: _copy,

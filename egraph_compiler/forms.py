@@ -16,6 +16,8 @@ square, GPT-J's and CodeGen's stacked rotary halves, Falcon's `x[:, [i]]`, Mixtr
 - activations as torch's kernels compute them: `hardtanh` (ReLU6) a clamp, `leaky_relu` and
   `elu` (selu, celu) a `where` (elu's negative side `expm1`); `isnan(x)` is `x != x`, `isinf(x)`
   `|x| == inf`, `amin` `-amax(-x)`, a xor of bools `a != b`;
+- `argmax`/`argmin` and `max`/`min` along a dim with their indices: the first position where x
+  is the row's amax (or NaN), by an amin over a folded arange;
 - `slice_scatter` and `select_scatter` (`x[:, a:b] = y` once functionalised) a cat of x's parts
   around y.
 
@@ -25,8 +27,8 @@ from __future__ import annotations
 import torch
 
 from . import ops
-from .converters import _binary, _cat, _slice, _t, _unsqueeze
-from .graph import Node, const
+from .converters import _binary, _cat, _reshape, _slice, _t, _unsqueeze
+from .graph import ExternCall, Node, const
 
 aten = torch.ops.aten
 
@@ -147,8 +149,8 @@ def _amin(x, dim=(), keepdim=False):
     if not _float(x):
         return None
     rank = len(x.shape)
-    dims = tuple(range(-rank, 0)) if not dim else tuple(sorted(ops.norm_dim(d, rank) - rank for d in (
-        [dim] if isinstance(dim, int) else dim)))
+    dims = [dim] if isinstance(dim, int) else list(dim or range(rank))  # (no dims: all of them, as torch's)
+    dims = tuple(sorted(ops.norm_dim(d, rank) - rank for d in dims))
     largest = Node.make("amax", (Node.make("neg", (x,)),), {"dims": dims, "keepdim": bool(keepdim)})
     return Node.make("neg", (largest,))
 
@@ -175,6 +177,48 @@ def _select_scatter(x, src, dim, index):
     return _slice_scatter(x, _unsqueeze(src, d), d, index, index + 1) if 0 <= index < x.shape[d] else None
 
 
+def _iota(n: int) -> Node:
+    """0, 1, ..., n - 1 in float32 (exact below 2**24): an ATen arange, which folding computes once."""
+    call = ExternCall(aten.arange.start_step, (0, n, 1), (("dtype", torch.float32),), (n,), "float32", None, "")
+    object.__setattr__(call, "key", f"{call.target}#{id(call):x}")
+    return Node.make("extern", (), {"target": call}, shape=(n,), dtype="float32")
+
+
+def _extreme_at(x, dim=None, keepdim=False, largest=True):
+    """torch.argmax / argmin: the first position of the row's largest (smallest) value, or of its
+    first NaN, as torch's: the smallest position where x equals the row's amax (or x is NaN), over
+    positions counted by a folded arange.  Floats only (integers: ATen)."""
+    if not _float(x) or not x.shape or 0 in x.shape:
+        return None
+    rank = len(x.shape)
+    if dim is None:
+        flat = _extreme_at(_reshape(x, [x.numel]), 0, False, largest)
+        return _reshape(flat, [1] * rank) if keepdim and flat is not None else flat
+    d = ops.norm_dim(dim, rank)
+    n = x.shape[d]
+    if n >= 1 << 24:
+        return None
+    best = _amin(x, d, keepdim=True) if not largest else Node.make(
+        "amax", (x,), {"dims": (d - rank,), "keepdim": True})
+    hit = Node.make("where", (Node.make("eq", (x, best)), const(1.0), Node.make("ne", (x, x))))
+    positions = _reshape(_iota(n), [n] + [1] * (rank - 1 - d))
+    first = _amin(Node.make("where", (hit, positions, const(float(n)))), d, keepdim)
+    return Node.make("cast", (first,), {"dtype": "int64"})
+
+
+def _extreme(largest: bool):
+    """max(x, dim) / min(x, dim): (values, indices)."""
+    def convert(x, dim, keepdim=False):
+        at = _extreme_at(x, dim, keepdim, largest)
+        if at is None:
+            return None
+        d = ops.norm_dim(dim, len(x.shape))
+        values = Node.make("amax", (x,), {"dims": (d - len(x.shape),), "keepdim": bool(keepdim)}) if largest \
+            else _amin(x, d, keepdim)
+        return [values, at]
+    return convert
+
+
 def _xor(a, b):
     """Of two bool tensors: a != b."""
     if not all(isinstance(t, Node) and t.dtype == "bool" for t in (a, b)):
@@ -195,6 +239,9 @@ FORMS = {
     aten.hardtanh.default: lambda x, min_val=-1.0, max_val=1.0: _clamp(x, min_val, max_val) if _float(x) else None,
     aten.leaky_relu.default: _leaky_relu, aten.elu.default: _elu,
     aten.isnan.default: _isnan, aten.isinf.default: _isinf, aten.amin.default: _amin,
+    aten.argmax.default: lambda x, dim=None, keepdim=False: _extreme_at(x, dim, keepdim, True),
+    aten.argmin.default: lambda x, dim=None, keepdim=False: _extreme_at(x, dim, keepdim, False),
+    aten.max.dim: _extreme(True), aten.min.dim: _extreme(False),
     aten.slice_scatter.default: _slice_scatter, aten.select_scatter.default: _select_scatter,
     aten.bitwise_xor.Tensor: _xor, aten.__xor__.Tensor: _xor, aten.logical_xor.default: _xor,
 }

@@ -61,6 +61,11 @@ CASES = {  # name: (program, inputs)
     "xor_of_masks": (lambda a: (a > 0) ^ torch.logical_xor(a < 1, a > -1), [X]),
     "sum_of_integers_in_float32": (lambda a: a.sum(-1, dtype=torch.float32) / 3, [I]),
     "slice_and_select_assignments": (_assigned, [X]),  # slice_scatter / select_scatter
+    "argmax_argmin": (lambda a: a.argmax(-1) * 10 + a.argmin(0).sum() + a.argmax(), [X]),  # (NaN and -inf in X)
+    "argmax_of_ties": (lambda a: a.argmax(0) * 10 + a.argmin(-1, keepdim=True), [torch.tensor(
+        [[1.0, 3.0, 3.0, -0.0], [3.0, 0.0, 3.0, 0.0], [float("inf"), 3.0, -1.0, 0.0]])]),
+    "max_min_with_indices": (lambda a: torch.max(a, 1).values + torch.min(a, 1).indices, [X]),
+    "avg_pool2d_tiling": (lambda a: F.avg_pool2d(a, 2) + F.avg_pool2d(a, (4, 3)).mean(), [torch.randn(2, 3, 8, 6)]),
     # torch's core decompositions (decompose.py) into the op table's ops
     "einsum": (lambda a, b: torch.einsum("bij,bjk->bik", a, b), [X.nan_to_num(), torch.randn(3, 4, 2)]),
     "logsumexp": (lambda a: a.logsumexp(-1), [X]),

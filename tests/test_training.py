@@ -291,6 +291,26 @@ def test_a_fallback_gets_the_layout_eager_gave_it(dims):
     _assert_grads_close(got, want)
 
 
+def test_tiling_average_pooling_trains_like_eager_without_fallbacks():
+    """avg_pool2d whose windows tile the input (2x2, and 2x3 over a 4x6 map): a reshape and a mean,
+    its gradient an expand, in both graphs."""
+    def make():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.AvgPool2d(2),
+                                   torch.nn.Conv2d(4, 4, 1), torch.nn.AvgPool2d((2, 3)), torch.nn.Flatten(),
+                                   torch.nn.Linear(4 * 2 * 1, 5))
+    model, reference = make(), make()
+    x = torch.randn(2, 3, 8, 6, generator=torch.Generator().manual_seed(1))
+    compiled = _compile(model)
+    for net, fn in ((model, compiled), (reference, reference)):
+        net.zero_grad(set_to_none=True)
+        (fn(x) * _weights_for(torch.empty(2, 5))).sum().backward()
+    _assert_grads_close({n: p.grad for n, p in model.named_parameters()},
+                        {n: p.grad for n, p in reference.named_parameters()})
+    plans = egc.last_plans()
+    assert len(plans) == 2 and not any(p.fallbacks for p in plans), [p.fallbacks for p in plans]
+
+
 def test_max_pooling_trains_like_eager():
     """ResNet's overlapping, padded 3x3 / 2 pooling and a tiling 2x2 one in training: the values, their
     positions and the gradient sent back to them are library calls (no ATen fallback)."""
