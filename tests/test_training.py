@@ -1,5 +1,6 @@
 """Training through torch.compile(backend="egraph"): AOTAutograd's forward and
 backward graphs both go through the pipeline; gradients are checked against eager."""
+import copy
 import warnings
 
 import pytest
@@ -291,44 +292,40 @@ def test_a_fallback_gets_the_layout_eager_gave_it(dims):
     _assert_grads_close(got, want)
 
 
-def test_tiling_average_pooling_trains_like_eager_without_fallbacks():
-    """avg_pool2d whose windows tile the input (2x2, and 2x3 over a 4x6 map): a reshape and a mean,
-    its gradient an expand, in both graphs."""
+def _pooling_net_trains_like_eager(*layers, shape, outputs):
+    """A Sequential of copies of `layers` (the same weights in both) over a batch of `shape`:
+    gradients as eager's, and both graphs without an ATen fallback; returns the plans."""
     def make():
-        torch.manual_seed(0)
-        return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.AvgPool2d(2),
-                                   torch.nn.Conv2d(4, 4, 1), torch.nn.AvgPool2d((2, 3)), torch.nn.Flatten(),
-                                   torch.nn.Linear(4 * 2 * 1, 5))
+        return torch.nn.Sequential(*(copy.deepcopy(layer) for layer in layers))
     model, reference = make(), make()
-    x = torch.randn(2, 3, 8, 6, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
     compiled = _compile(model)
     for net, fn in ((model, compiled), (reference, reference)):
         net.zero_grad(set_to_none=True)
-        (fn(x) * _weights_for(torch.empty(2, 5))).sum().backward()
+        (fn(x) * _weights_for(torch.empty(shape[0], outputs))).sum().backward()
     _assert_grads_close({n: p.grad for n, p in model.named_parameters()},
                         {n: p.grad for n, p in reference.named_parameters()})
     plans = egc.last_plans()
     assert len(plans) == 2 and not any(p.fallbacks for p in plans), [p.fallbacks for p in plans]
+    return plans
+
+
+def test_tiling_average_pooling_trains_like_eager_without_fallbacks():
+    """avg_pool2d whose windows tile the input (2x2, and 2x3 over a 4x6 map): a reshape and a mean,
+    its gradient an expand, in both graphs."""
+    torch.manual_seed(0)
+    _pooling_net_trains_like_eager(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.AvgPool2d(2), torch.nn.Conv2d(4, 4, 1),
+                                   torch.nn.AvgPool2d((2, 3)), torch.nn.Flatten(), torch.nn.Linear(4 * 2 * 1, 5),
+                                   shape=(2, 3, 8, 6), outputs=5)
 
 
 def test_max_pooling_trains_like_eager():
     """ResNet's overlapping, padded 3x3 / 2 pooling and a tiling 2x2 one in training: the values, their
     positions and the gradient sent back to them are library calls (no ATen fallback)."""
-    def make():
-        torch.manual_seed(0)
-        return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(3, 2, 1),
-                                   torch.nn.Conv2d(8, 8, 3), torch.nn.MaxPool2d(2), torch.nn.Flatten(),
-                                   torch.nn.Linear(48, 10))
-    model, reference = make(), make()
-    x = torch.randn(2, 3, 15, 14, generator=torch.Generator().manual_seed(1))
-    compiled = _compile(model)
-    for net, fn in ((model, compiled), (reference, reference)):
-        net.zero_grad(set_to_none=True)
-        (fn(x) * _weights_for(torch.empty(2, 10))).sum().backward()
-    _assert_grads_close({n: p.grad for n, p in model.named_parameters()},
-                        {n: p.grad for n, p in reference.named_parameters()})
-    plans = egc.last_plans()
-    assert len(plans) == 2 and not any(p.fallbacks for p in plans), [p.fallbacks for p in plans]
+    torch.manual_seed(0)
+    plans = _pooling_net_trains_like_eager(
+        torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(3, 2, 1), torch.nn.Conv2d(8, 8, 3),
+        torch.nn.MaxPool2d(2), torch.nn.Flatten(), torch.nn.Linear(48, 10), shape=(2, 3, 15, 14), outputs=10)
     assert "max_pool2d_grad" in plans[1].ops(), plans[1]
 
 
