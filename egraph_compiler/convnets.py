@@ -3,7 +3,8 @@ general `convolution` (AOTAutograd's form of conv2d) and its gradients, conv1d,
 batch norm in inference (per-channel arithmetic, which the rules fuse with the
 ops around it), adaptive average pooling to sizes that divide the input (a
 reshape and a mean; its gradient an expand; 1-d too; `avg_pool2d` where its windows tile
-the input likewise), max pooling over windows
+the input likewise), nearest upsampling by whole factors (repeats: in inference; AOTAutograd's
+tracing decomposes it into an index), max pooling over windows
 that tile the input (a reshape and an amax; other windows the library's
 max_pool2d), constant padding (a cat of fills),
 and `copy` (a training graph's running statistics, written back).  In training,
@@ -197,6 +198,33 @@ def _upsample_bilinear2d(x, size, align_corners, scales_h=None, scales_w=None):
                                                    "align_corners": bool(align_corners)})
 
 
+def _nearest_factors(shape, size=None, scales=None):
+    """(s_h, s_w) where nearest upsampling of `shape`'s last two dims repeats each pixel a whole
+    number of times (UNet's and FPN's 2x): to a size that is a multiple of the input's, or by
+    integer scales; None otherwise.  (torch maps an output pixel to floor(i * scale), which is
+    i // s for these.)"""
+    if len(shape) not in (3, 4):
+        return None
+    hw = shape[-2:]
+    if scales is not None and any(s is not None for s in scales):
+        if size is not None or any(s is None or s != int(s) or s < 1 for s in scales):
+            return None
+        return tuple(int(s) for s in scales)
+    if size is None or any(o <= 0 or n <= 0 or o % n for o, n in zip(size, hw)):
+        return None
+    return tuple(o // n for o, n in zip(size, hw))
+
+
+def _upsample_nearest2d(x, size=None, scales=None):
+    factors = _nearest_factors(x.shape, size, scales)
+    if factors is None:
+        return None
+    for dim, times in zip((-2, -1), factors):
+        if times > 1:
+            x = Node.make("repeat_interleave", (x,), {"dim": dim, "repeats": times})
+    return x
+
+
 def _group_norm(x, groups, w=None, b=None, eps=1e-5, cudnn_enabled=True):
     """GroupNorm: a layer norm over each group's channels and positions, then each channel's
     scale and shift (float32; other dtypes round differently between the steps: ATen)."""
@@ -214,6 +242,10 @@ CONVNETS = {
     aten.upsample_bilinear2d.default: _upsample_bilinear2d,
     aten.upsample_bilinear2d.vec: lambda x, size, align_corners, scales: _upsample_bilinear2d(
         x, size, align_corners) if scales is None else None,
+    aten.upsample_nearest2d.vec: _upsample_nearest2d,
+    aten.upsample_nearest2d.default: lambda x, size, scales_h=None, scales_w=None: _upsample_nearest2d(
+        x, None if scales_h is not None or scales_w is not None else size,
+        None if scales_h is None and scales_w is None else [scales_h, scales_w]),
     aten.convolution.default: _convolution, aten.conv1d.default: _conv1d,
     aten.convolution_backward.default: _convolution_backward,
     aten._native_batch_norm_legit_no_training.default: _batch_norm_inference,

@@ -66,6 +66,8 @@ CASES = {  # name: (program, inputs)
         [[1.0, 3.0, 3.0, -0.0], [3.0, 0.0, 3.0, 0.0], [float("inf"), 3.0, -1.0, 0.0]])]),
     "max_min_with_indices": (lambda a: torch.max(a, 1).values + torch.min(a, 1).indices, [X]),
     "avg_pool2d_tiling": (lambda a: F.avg_pool2d(a, 2) + F.avg_pool2d(a, (4, 3)).mean(), [torch.randn(2, 3, 8, 6)]),
+    "nearest_upsampling_by_whole_factors": (lambda a: F.interpolate(a, scale_factor=2) + F.interpolate(
+        a, size=(8, 15)).mean() + F.interpolate(a[:1], scale_factor=(3, 1)).sum(), [torch.randn(2, 3, 4, 5)]),
     # torch's core decompositions (decompose.py) into the op table's ops
     "einsum": (lambda a, b: torch.einsum("bij,bjk->bik", a, b), [X.nan_to_num(), torch.randn(3, 4, 2)]),
     "logsumexp": (lambda a: a.logsumexp(-1), [X]),
