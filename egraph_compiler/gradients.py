@@ -11,7 +11,7 @@ import torch
 
 from . import flash, ops
 from .converters import _cat, _fill, _reshape, _slice, _t, _unsqueeze
-from .graph import Node
+from .graph import Node, const
 from .indexing import wrapped
 
 aten = torch.ops.aten
@@ -43,18 +43,48 @@ def _embedding_backward(grad, ids, rows, padding_idx, scale_grad_by_freq):
 
 
 def _index_put(x, indices, values, accumulate=False):
-    """x.index_put_((i,), v, accumulate=True): the gradient of an advanced index x[i] (Swin's
-    relative position bias table), x plus v's rows added at i: an embedding's gradient."""
-    if (not accumulate or len(indices) != 1 or indices[0] is None or indices[0].dtype not in ops.INTEGERS
-            or not x.shape or not x.dtype.startswith(("float", "bfloat"))
-            or tuple(values.shape) != tuple(indices[0].shape) + tuple(x.shape[1:]) or values.dtype != x.dtype):
+    """x.index_put_(indices, v, accumulate=True): the gradient of an advanced index (Swin's relative
+    position bias table `x[i]`; LeViT's attention biases and bilinear or nearest resampling,
+    `x[:, :, r, c]`), x plus v's rows added at the flat index of the indexed dims: an embedding's
+    gradient, as `indexing._index` reads them (full slices first: those dims moved behind)."""
+    lead = next((k for k, i in enumerate(indices) if i is not None), len(indices))
+    picked = list(indices[lead:])
+    if (not accumulate or not picked or any(i is None or i.dtype not in ops.INTEGERS for i in picked)
+            or lead + len(picked) > len(x.shape) or not x.dtype.startswith(("float", "bfloat"))
+            or values.dtype != x.dtype):
         return None
-    i, rows, width = indices[0], x.shape[0], math.prod(x.shape[1:])
-    i = wrapped(i, rows)
-    count = math.prod(i.shape)
-    added = Node.make("embedding_grad", (_reshape(values, [count, width]), _reshape(i, [count])),
-                      {"rows": rows, "padding_idx": -1, "scale": False})
-    return Node.make("add", (x, _reshape(added, list(x.shape))))
+    rank, count = len(x.shape), len(picked)
+    dims, front, rest = x.shape[lead:lead + count], x.shape[:lead], x.shape[lead + count:]
+    flat = _flat_index(picked, dims)
+    if tuple(values.shape) != front + flat.shape + rest:
+        return None
+    k = len(flat.shape)  # values' dims: front, the index's, rest -> the index's, front, rest
+    values = Node.make("permute", (values,), {"dims": tuple(range(lead, lead + k)) + tuple(range(lead))
+                                              + tuple(range(lead + k, len(values.shape)))})
+    n, width = math.prod(flat.shape), math.prod(front) * math.prod(rest)
+    added = Node.make("embedding_grad", (_reshape(values, [n, width]), _reshape(flat, [n])),
+                      {"rows": math.prod(dims), "padding_idx": -1, "scale": False})
+    added = _reshape(added, [*dims, *front, *rest])
+    if lead:  # back to x's order: front, the indexed dims, rest
+        added = Node.make("permute", (added,), {"dims": tuple(range(count, count + lead)) + tuple(range(count))
+                                                + tuple(range(lead + count, rank))})
+    return Node.make("add", (x, added))
+
+
+def _flat_index(picked, dims):
+    """The rows of the indexed dims (flattened) that the index tensors name, negatives wrapped; one
+    outside its own dim names no row (one past them all)."""
+    flat = None
+    total = const(float(math.prod(dims)))
+    for j, (i, n) in enumerate(zip(picked, dims)):
+        i = wrapped(i, n)
+        if len(picked) > 1:
+            i = Node.make("where", (Node.make("lt", (i, const(0.0))), total,
+                                    Node.make("where", (Node.make("lt", (i, const(float(n)))), i, total))))
+        stride = math.prod(dims[j + 1:])
+        term = i if stride == 1 else Node.make("mul", (i, const(float(stride))))
+        flat = term if flat is None else Node.make("add", (flat, term))
+    return flat
 
 
 def _whole_in_order(shape, size, stride, offset) -> bool:

@@ -292,7 +292,7 @@ def test_a_fallback_gets_the_layout_eager_gave_it(dims):
     _assert_grads_close(got, want)
 
 
-def _pooling_net_trains_like_eager(*layers, shape, outputs):
+def _net_trains_like_eager(*layers, shape):
     """A Sequential of copies of `layers` (the same weights in both) over a batch of `shape`:
     gradients as eager's, and both graphs without an ATen fallback; returns the plans."""
     def make():
@@ -302,7 +302,8 @@ def _pooling_net_trains_like_eager(*layers, shape, outputs):
     compiled = _compile(model)
     for net, fn in ((model, compiled), (reference, reference)):
         net.zero_grad(set_to_none=True)
-        (fn(x) * _weights_for(torch.empty(shape[0], outputs))).sum().backward()
+        out = fn(x)
+        (out * _weights_for(out.detach())).sum().backward()
     _assert_grads_close({n: p.grad for n, p in model.named_parameters()},
                         {n: p.grad for n, p in reference.named_parameters()})
     plans = egc.last_plans()
@@ -314,18 +315,29 @@ def test_tiling_average_pooling_trains_like_eager_without_fallbacks():
     """avg_pool2d whose windows tile the input (2x2, and 2x3 over a 4x6 map): a reshape and a mean,
     its gradient an expand, in both graphs."""
     torch.manual_seed(0)
-    _pooling_net_trains_like_eager(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.AvgPool2d(2), torch.nn.Conv2d(4, 4, 1),
+    _net_trains_like_eager(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.AvgPool2d(2), torch.nn.Conv2d(4, 4, 1),
                                    torch.nn.AvgPool2d((2, 3)), torch.nn.Flatten(), torch.nn.Linear(4 * 2 * 1, 5),
-                                   shape=(2, 3, 8, 6), outputs=5)
+                                   shape=(2, 3, 8, 6))
+
+
+@pytest.mark.parametrize("mode", ["nearest", "bilinear"])
+def test_resampling_trains_like_eager_without_fallbacks(mode):
+    """AOTAutograd's tracing writes resampling as an advanced index x[:, :, rows, cols] (and
+    arithmetic); its gradient, an accumulating index_put over two index tensors after two full
+    slices, is an embedding's gradient of the flattened rows (no ATen fallback)."""
+    torch.manual_seed(0)
+    for up in (torch.nn.Upsample(scale_factor=2, mode=mode), torch.nn.Upsample(size=(7, 9), mode=mode)):
+        _net_trains_like_eager(torch.nn.Conv2d(3, 4, 3, padding=1), up, torch.nn.Conv2d(4, 2, 3, padding=1),
+                               shape=(2, 3, 4, 5))
 
 
 def test_max_pooling_trains_like_eager():
     """ResNet's overlapping, padded 3x3 / 2 pooling and a tiling 2x2 one in training: the values, their
     positions and the gradient sent back to them are library calls (no ATen fallback)."""
     torch.manual_seed(0)
-    plans = _pooling_net_trains_like_eager(
+    plans = _net_trains_like_eager(
         torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(3, 2, 1), torch.nn.Conv2d(8, 8, 3),
-        torch.nn.MaxPool2d(2), torch.nn.Flatten(), torch.nn.Linear(48, 10), shape=(2, 3, 15, 14), outputs=10)
+        torch.nn.MaxPool2d(2), torch.nn.Flatten(), torch.nn.Linear(48, 10), shape=(2, 3, 15, 14))
     assert "max_pool2d_grad" in plans[1].ops(), plans[1]
 
 
