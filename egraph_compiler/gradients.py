@@ -11,8 +11,8 @@ import torch
 
 from . import flash, ops
 from .converters import _cat, _fill, _reshape, _slice, _t, _unsqueeze
-from .graph import Node, const
-from .indexing import wrapped
+from .graph import Node
+from .indexing import flat_index
 
 aten = torch.ops.aten
 
@@ -55,7 +55,7 @@ def _index_put(x, indices, values, accumulate=False):
         return None
     rank, count = len(x.shape), len(picked)
     dims, front, rest = x.shape[lead:lead + count], x.shape[:lead], x.shape[lead + count:]
-    flat = _flat_index(picked, dims)
+    flat = flat_index(picked, dims)
     if tuple(values.shape) != front + flat.shape + rest:
         return None
     k = len(flat.shape)  # values' dims: front, the index's, rest -> the index's, front, rest
@@ -69,22 +69,6 @@ def _index_put(x, indices, values, accumulate=False):
         added = Node.make("permute", (added,), {"dims": tuple(range(count, count + lead)) + tuple(range(count))
                                                 + tuple(range(lead + count, rank))})
     return Node.make("add", (x, added))
-
-
-def _flat_index(picked, dims):
-    """The rows of the indexed dims (flattened) that the index tensors name, negatives wrapped; one
-    outside its own dim names no row (one past them all)."""
-    flat = None
-    total = const(float(math.prod(dims)))
-    for j, (i, n) in enumerate(zip(picked, dims)):
-        i = wrapped(i, n)
-        if len(picked) > 1:
-            i = Node.make("where", (Node.make("lt", (i, const(0.0))), total,
-                                    Node.make("where", (Node.make("lt", (i, const(float(n)))), i, total))))
-        stride = math.prod(dims[j + 1:])
-        term = i if stride == 1 else Node.make("mul", (i, const(float(stride))))
-        flat = term if flat is None else Node.make("add", (flat, term))
-    return flat
 
 
 def _whole_in_order(shape, size, stride, offset) -> bool:

@@ -48,18 +48,25 @@ def _index(x, indices, wrap: bool = True):
             or any(i is None or i.dtype not in ops.INTEGERS for i in indices)):
         return None
     dims, rest = x.shape[:len(indices)], x.shape[len(indices):]
-    flat = None
+    flat = flat_index(indices, dims, wrap)
+    picked = Node.make("embedding", (_reshape(x, [math.prod(dims), math.prod(rest)]), flat))
+    return _reshape(picked, list(flat.shape) + list(rest))
+
+
+def flat_index(indices, dims, wrap: bool = True) -> Node:
+    """The row of `dims` (flattened) that each entry of the index tensors names (they broadcast
+    together): i0 * (n1 * ...) + i1 * ..., negatives wrapped where `wrap`.  With several, one
+    outside its own dim's range names no row (one past them all), never another row."""
+    flat, total = None, const(float(math.prod(dims)))
     for k, (i, n) in enumerate(zip(indices, dims)):
         i = wrapped(i, n) if wrap else i
-        if len(indices) > 1:  # (one out of its dim's range could land on another row: made out of all of them)
-            total = const(float(math.prod(dims)))
+        if len(indices) > 1:
             i = Node.make("where", (Node.make("lt", (i, const(0.0))), total,
                                     Node.make("where", (Node.make("lt", (i, const(float(n)))), i, total))))
         stride = math.prod(dims[k + 1:])
         term = i if stride == 1 else Node.make("mul", (i, const(float(stride))))
         flat = term if flat is None else Node.make("add", (flat, term))
-    picked = Node.make("embedding", (_reshape(x, [math.prod(dims), math.prod(rest)]), flat))
-    return _reshape(picked, list(flat.shape) + list(rest))
+    return flat
 
 
 def _index_after_slices(x, indices, lead: int, wrap: bool):
