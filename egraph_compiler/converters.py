@@ -239,9 +239,12 @@ def _safe_softmax(x, dim, dtype=None):
     return Node.make("where", (Node.make("gt", (top, const(-math.inf))), soft, const(0.0)))
 
 
-def _logical(op):
-    """and / or / not over bool tensors, as `where` (exact: no arithmetic); integers: ATen."""
+def _logical(op, truth: bool = False):
+    """and / or / not over bools as `where` (exact); `truth` (logical_*): others as x != 0; else ATen."""
     def convert(a, b=None):
+        if truth:
+            a, b = (x if not isinstance(x, Node) or x.dtype == "bool" else Node.make("ne", (x, const(0.0)))
+                    for x in (a, b))
         if not all(isinstance(x, Node) and x.dtype == "bool" for x in (a, b) if x is not None):
             return None
         if op == "not":
@@ -366,9 +369,9 @@ CONVERTERS = {
     aten.zeros_like.default: lambda x, **kw: _fill(0.0, x.shape, like=x, **kw),
     aten.ones_like.default: lambda x, **kw: _fill(1.0, x.shape, like=x, **kw),
     aten.bitwise_and.Tensor: _logical("and"), aten.__and__.Tensor: _logical("and"),
-    aten.logical_and.default: _logical("and"), aten.bitwise_or.Tensor: _logical("or"),
-    aten.__or__.Tensor: _logical("or"), aten.logical_or.default: _logical("or"),
-    aten.bitwise_not.default: _logical("not"), aten.logical_not.default: _logical("not"),
+    aten.logical_and.default: _logical("and", truth=True), aten.bitwise_or.Tensor: _logical("or"),
+    aten.__or__.Tensor: _logical("or"), aten.logical_or.default: _logical("or", truth=True),
+    aten.bitwise_not.default: _logical("not"), aten.logical_not.default: _logical("not", truth=True),
     aten.clamp_min.default: lambda x, m: Node.make("maximum", (x, _t(m))),
     aten.rsub.Scalar: lambda x, other, alpha=1: _binary("sub")(other, x, alpha) if alpha == 1 else None,
     aten.rsub.Tensor: lambda x, other, alpha=1: _binary("sub")(other, x, alpha) if alpha == 1 else None,

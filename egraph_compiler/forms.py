@@ -16,6 +16,7 @@ square, GPT-J's and CodeGen's stacked rotary halves, Falcon's `x[:, [i]]`, Mixtr
 - activations as torch's kernels compute them: `hardtanh` (ReLU6) a clamp, `leaky_relu` and
   `elu` (selu, celu) a `where` (elu's negative side `expm1`); `isnan(x)` is `x != x`, `isinf(x)`
   `|x| == inf`, `amin` `-amax(-x)`, a xor of bools `a != b`;
+- `any` the amax of `x != 0` (all: torch's not-any-not);
 - `argmax`/`argmin` and `max`/`min` along a dim with their indices: the first position where x
   is the row's amax (or NaN), by an amin over a folded arange;
 - `slice_scatter` and `select_scatter` (`x[:, a:b] = y` once functionalised) a cat of x's parts
@@ -219,6 +220,19 @@ def _extreme(largest: bool):
     return convert
 
 
+def _any(x, dim=None, keepdim=False):
+    """torch.any: whether some entry of the row is nonzero (NaN counts), as the row's amax of
+    `x != 0` in float32; all(x) is torch's `not any(not x)` over this."""
+    if not x.shape or 0 in x.shape:
+        return None
+    rank = len(x.shape)
+    dims = [dim] if isinstance(dim, int) else list(dim or range(rank))
+    nonzero = Node.make("cast", (Node.make("ne", (x, const(0.0))),), {"dtype": "float32"})
+    largest = Node.make("amax", (nonzero,), {"dims": tuple(sorted(ops.norm_dim(d, rank) - rank for d in dims)),
+                                             "keepdim": bool(keepdim)})
+    return Node.make("gt", (largest, const(0.0)))
+
+
 def _xor(a, b):
     """Of two bool tensors: a != b."""
     if not all(isinstance(t, Node) and t.dtype == "bool" for t in (a, b)):
@@ -242,6 +256,7 @@ FORMS = {
     aten.argmax.default: lambda x, dim=None, keepdim=False: _extreme_at(x, dim, keepdim, True),
     aten.argmin.default: lambda x, dim=None, keepdim=False: _extreme_at(x, dim, keepdim, False),
     aten.max.dim: _extreme(True), aten.min.dim: _extreme(False),
+    aten.any.dim: _any, aten.any.dims: _any, aten.any.default: _any,
     aten.slice_scatter.default: _slice_scatter, aten.select_scatter.default: _select_scatter,
     aten.bitwise_xor.Tensor: _xor, aten.__xor__.Tensor: _xor, aten.logical_xor.default: _xor,
 }

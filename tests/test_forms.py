@@ -65,6 +65,9 @@ CASES = {  # name: (program, inputs)
     "argmax_of_ties": (lambda a: a.argmax(0) * 10 + a.argmin(-1, keepdim=True), [torch.tensor(
         [[1.0, 3.0, 3.0, -0.0], [3.0, 0.0, 3.0, 0.0], [float("inf"), 3.0, -1.0, 0.0]])]),
     "max_min_with_indices": (lambda a: torch.max(a, 1).values + torch.min(a, 1).indices, [X]),
+    "any_all_and_truth": (lambda a: a.any(-1) ^ a.all(-1) | torch.logical_not(a).any(-1) | torch.logical_and(a, 1 - a).any(),
+                          [torch.tensor([[[0.0, float("nan"), -0.0], [0.0, 0.0, 0.0]], [[1.0, 2.0, -3.0], [0.0, 1.0, 0.0]]])]),
+    "any_all_of_integers": (lambda a: a.any(-1) | a.all(-1) & torch.logical_or(a, a - 1).all(-1), [I]),
     "avg_pool2d_tiling": (lambda a: F.avg_pool2d(a, 2) + F.avg_pool2d(a, (4, 3)).mean(), [torch.randn(2, 3, 8, 6)]),
     "nearest_upsampling_by_whole_factors": (lambda a: F.interpolate(a, scale_factor=2) + F.interpolate(
         a, size=(8, 15)).mean() + F.interpolate(a[:1], scale_factor=(3, 1)).sum(), [torch.randn(2, 3, 4, 5)]),
