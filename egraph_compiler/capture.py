@@ -36,6 +36,7 @@ from .graph import TENSOR_SLOT, WEAK, Bound, ExternCall, Graph, Literal, Node, i
 
 aten = torch.ops.aten
 TABLE = CONVERTERS | INDEXING | GRADIENTS | CONVNETS | FORMS | ENCODER  # every ATen op capture maps onto the op table
+MISSING = missing(TABLE)  # torch's core decompositions of the ops TABLE lacks (decompose.py)
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))  # torch's frames are not the user's source
 
@@ -71,7 +72,7 @@ def export_aten(module: torch.nn.Module, example_inputs, dynamic_shapes=None) ->
                                                   dynamic_shapes=dynamic_shapes)
             except Exception as exc:  # torch's own message names the failing construct
                 raise CaptureError(f"torch.export could not capture the program: {exc}") from exc
-        return program if _functional_already(program) else program.run_decompositions(missing(TABLE))
+        return program if _functional_already(program) else program.run_decompositions(MISSING)
 
 
 def _functional_already(program) -> bool:
@@ -87,7 +88,7 @@ def _functional_already(program) -> bool:
 
 
 def _kept_whole(target) -> bool:
-    if not isinstance(target, torch._ops.OpOverload) or target._schema.is_mutable or target in missing(TABLE):
+    if not isinstance(target, torch._ops.OpOverload) or target._schema.is_mutable or target in MISSING:
         return False
     if torch.Tag.maybe_aliasing_or_mutating in target.tags or target is aten.native_batch_norm.default:
         return False  # (export always decomposes these: native_batch_norm writes its running statistics
@@ -361,7 +362,6 @@ def _extern(fx_node, env, reason: str) -> object:
                           str(v.dtype).removeprefix("torch."),
                           i if isinstance(val, (list, tuple)) else None, user_line(fx_node), reason=reason,
                           pending=pending, dense=tuple(dense), order=order)
-        object.__setattr__(call, "key", f"{fx_node.target}#{id(call):x}")
         results.append(Node.make("extern", tuple(tensors), {"target": call}, shape=call.shape, dtype=call.dtype))
     return results if isinstance(val, (list, tuple)) else results[0]
 

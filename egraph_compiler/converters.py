@@ -24,7 +24,8 @@ def _t(x):
 
 
 def _neg_dims(dims, rank):
-    if dims is None or dims == []:
+    """Dims as the op table stores them (negative, sorted); none given: all of them, as torch's."""
+    if dims is None or (not isinstance(dims, int) and len(dims) == 0):
         dims = list(range(rank))
     if isinstance(dims, int):
         dims = [dims]

@@ -11,25 +11,13 @@ whole for the rules, and random ops keep torch's random stream (dropout matches 
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch._decomp import core_aten_decompositions
 
 
-@functools.cache
-def _core() -> dict:
-    return dict(core_aten_decompositions().items())
-
-
 def missing(table) -> dict:
-    """{op: decomposition} for the ops of torch's core table that `table` does not map."""
-    key = id(table)
-    if _MEMO.get(key, (None,))[0] is not table:
-        _MEMO[key] = (table, {op: fn for op, fn in _core().items()
-                              if op not in table and isinstance(op, torch._ops.OpOverload)
-                              and torch.Tag.nondeterministic_seeded not in op.tags})
-    return _MEMO[key][1]
-
-
-_MEMO: dict[int, tuple] = {}
+    """{op: decomposition} for the ops of torch's core table that `table` does not map (capture's
+    MISSING, computed once)."""
+    return {op: fn for op, fn in core_aten_decompositions().items()
+            if op not in table and isinstance(op, torch._ops.OpOverload)
+            and torch.Tag.nondeterministic_seeded not in op.tags}

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from . import ops
-from .converters import _binary, _cat, _reshape, _slice, _t, _unsqueeze
+from .converters import _binary, _cat, _neg_dims, _reshape, _slice, _t, _unsqueeze
 from .graph import ExternCall, Node, const
 
 aten = torch.ops.aten
@@ -105,9 +105,7 @@ def _vector_norm(x, ord=2, dim=None, keepdim=False, dtype=None):
     keepdim=True)`) and 1, over float32; other orders and dtypes: ATen."""
     if x.dtype != "float32" or dtype is not None or ord not in (1, 2) or not x.shape:
         return None
-    rank = len(x.shape)
-    dims = tuple(range(-rank, 0)) if dim is None or dim == [] else tuple(
-        sorted(ops.norm_dim(d, rank) - rank for d in ([dim] if isinstance(dim, int) else dim)))
+    dims = _neg_dims(dim, len(x.shape))
     terms = Node.make("abs", (x,)) if ord == 1 else Node.make("mul", (x, x))
     total = Node.make("sum", (terms,), {"dims": dims, "keepdim": bool(keepdim)})
     return total if ord == 1 else Node.make("sqrt", (total,))
@@ -149,10 +147,8 @@ def _amin(x, dim=(), keepdim=False):
     """-amax(-x): negation is exact, and a NaN in the row wins either way."""
     if not _float(x):
         return None
-    rank = len(x.shape)
-    dims = [dim] if isinstance(dim, int) else list(dim or range(rank))  # (no dims: all of them, as torch's)
-    dims = tuple(sorted(ops.norm_dim(d, rank) - rank for d in dims))
-    largest = Node.make("amax", (Node.make("neg", (x,)),), {"dims": dims, "keepdim": bool(keepdim)})
+    largest = Node.make("amax", (Node.make("neg", (x,)),), {"dims": _neg_dims(dim, len(x.shape)),
+                                                            "keepdim": bool(keepdim)})
     return Node.make("neg", (largest,))
 
 
@@ -181,8 +177,14 @@ def _select_scatter(x, src, dim, index):
 def _iota(n: int) -> Node:
     """0, 1, ..., n - 1 in float32 (exact below 2**24): an ATen arange, which folding computes once."""
     call = ExternCall(aten.arange.start_step, (0, n, 1), (("dtype", torch.float32),), (n,), "float32", None, "")
-    object.__setattr__(call, "key", f"{call.target}#{id(call):x}")
     return Node.make("extern", (), {"target": call}, shape=(n,), dtype="float32")
+
+
+def _extreme_value(x, dim, keepdim, largest):
+    """The row's amax, or amin."""
+    if not largest:
+        return _amin(x, dim, keepdim)
+    return Node.make("amax", (x,), {"dims": _neg_dims(dim, len(x.shape)), "keepdim": bool(keepdim)})
 
 
 def _extreme_at(x, dim=None, keepdim=False, largest=True):
@@ -199,8 +201,7 @@ def _extreme_at(x, dim=None, keepdim=False, largest=True):
     n = x.shape[d]
     if n >= 1 << 24:
         return None
-    best = _amin(x, d, keepdim=True) if not largest else Node.make(
-        "amax", (x,), {"dims": (d - rank,), "keepdim": True})
+    best = _extreme_value(x, d, True, largest)
     hit = Node.make("where", (Node.make("eq", (x, best)), const(1.0), Node.make("ne", (x, x))))
     positions = _reshape(_iota(n), [n] + [1] * (rank - 1 - d))
     first = _amin(Node.make("where", (hit, positions, const(float(n)))), d, keepdim)
@@ -213,10 +214,7 @@ def _extreme(largest: bool):
         at = _extreme_at(x, dim, keepdim, largest)
         if at is None:
             return None
-        d = ops.norm_dim(dim, len(x.shape))
-        values = Node.make("amax", (x,), {"dims": (d - len(x.shape),), "keepdim": bool(keepdim)}) if largest \
-            else _amin(x, d, keepdim)
-        return [values, at]
+        return [_extreme_value(x, dim, keepdim, largest), at]
     return convert
 
 
@@ -225,11 +223,8 @@ def _any(x, dim=None, keepdim=False):
     `x != 0` in float32; all(x) is torch's `not any(not x)` over this."""
     if not x.shape or 0 in x.shape:
         return None
-    rank = len(x.shape)
-    dims = [dim] if isinstance(dim, int) else list(dim or range(rank))
     nonzero = Node.make("cast", (Node.make("ne", (x, const(0.0))),), {"dtype": "float32"})
-    largest = Node.make("amax", (nonzero,), {"dims": tuple(sorted(ops.norm_dim(d, rank) - rank for d in dims)),
-                                             "keepdim": bool(keepdim)})
+    largest = Node.make("amax", (nonzero,), {"dims": _neg_dims(dim, len(x.shape)), "keepdim": bool(keepdim)})
     return Node.make("gt", (largest, const(0.0)))
 
 

@@ -55,6 +55,10 @@ class ExternCall:
     # the call's place in the program (capture's order): random ops run in it, as eager draws them
     order: int = 0
 
+    def __post_init__(self):
+        if not self.key:  # (unique per call: two calls of one op with the same arguments stay two)
+            object.__setattr__(self, "key", f"{self.target}#{id(self):x}")
+
     def __str__(self):
         return self.key or str(self.target)
 

@@ -26,8 +26,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from . import flash
 from .errors import EagerFallbackWarning
-from .capture import TABLE, retarget
-from .decompose import missing
+from .capture import MISSING, retarget, user_line
 
 aten = torch.ops.aten
 
@@ -98,7 +97,7 @@ def training_backend(gm: torch.fx.GraphModule, example_inputs, compile_graph):
                 return make_boxed_func(static)
         return make_boxed_func(run)
 
-    table = (missing(TABLE) | get_decompositions(DECOMPOSED)
+    table = (MISSING | get_decompositions(DECOMPOSED)
              | {aten.scaled_dot_product_attention.default: _sdpa_math})  # (losses, roll, ...: decompose.py)
     def forward_compiler(graph: torch.fx.GraphModule, inputs):
         """The forward returns the user's outputs, then the activations backward reads: those are
@@ -157,12 +156,7 @@ def _describe(value) -> str:
 
 def _first_line(gm: torch.fx.GraphModule) -> str:
     """The user's first source line in the graph, to say which graph runs eagerly."""
-    for node in gm.graph.nodes:
-        trace = [line.strip() for line in (node.meta.get("stack_trace") or "").splitlines()]
-        files = [i for i, line in enumerate(trace) if line.startswith("File ")]
-        if files:
-            return ": ".join(trace[files[-1]:files[-1] + 2])
-    return "a graph with no source line"
+    return next((user_line(n) for n in gm.graph.nodes if n.meta.get("stack_trace")), "a graph with no source line")
 
 
 def _real(fake: torch.Tensor) -> torch.Tensor:
