@@ -25,7 +25,7 @@ from egraph_compiler.loopir import (ERROR_FLAG, STASH, Acc, Affine, Load, LoopKe
                                     substitute, transposed_reads, variables)
 from egraph_compiler.pieces import pieces
 
-from . import triton_split, triton_staged
+from . import triton_moments, triton_split, triton_staged
 from .triton_load import SIZED
 from .walker import Target, render_expr, render_index
 
@@ -179,10 +179,17 @@ class _Kernel:
             self.xblock, self.rblock = 2 * TILE, TILE  # reads along o, writes along r: both in runs
         self.staged = (not self.pointwise and not self.looped and self.split <= 1 and len(self.pieces) == 1
                        and triton_staged.stages(k, self.rblock))
+        self.moments = None  # layer_norm's moments of a long row by chunks (triton_moments.py)
+        if not self.pointwise and not self.looped and self.split <= 1 and len(self.pieces) == 1:
+            self.moments = triton_moments.centred_moments(k, self.rblock)
 
     def stores(self):
         k = self.k
-        return [(k.store_param, k.store_index, k.value, k.store_in_inner)] + list(k.extra_stores)
+        stores = [(k.store_param, k.store_index, k.value, k.store_in_inner)] + list(k.extra_stores)
+        if not getattr(self, "moments", None):
+            return stores
+        total = k.reductions[self.moments[0]]
+        return [(p, i, triton_moments.stored(v, k, total), inner) for p, i, v, inner in stores]
 
     def grid(self) -> tuple:
         if len(self.pieces) > 1:
@@ -233,6 +240,12 @@ class _Kernel:
         if not self.looped:
             lines += self._columns("0", "    ", even=0 < k.inner == self.rblock)
         for group in self._passes():
+            if self.moments:  # (the moments' three sums as one, at the first one's place)
+                if self.moments[0] in (i for i, _ in group):
+                    lines += triton_moments.render(self.expr, *(k.reductions[i] for i in self.moments), self.rblock)
+                group = [(i, red) for i, red in group if i not in self.moments]
+                if not group:
+                    continue
             if len(group) == 1:
                 lines += self._reduction(*group[0])
             else:
@@ -375,7 +388,9 @@ def _pow2(n: int) -> int:
 
 
 def render_program(kernels: list[LoopKernel]) -> str:
-    return PRELUDE + "\n\n" + "\n\n\n".join(_Kernel(k).render() for k in kernels) + "\n"
+    shapes = [_Kernel(k) for k in kernels]
+    prelude = PRELUDE + (triton_moments.COMBINE if any(s.moments for s in shapes) else "")
+    return prelude + "\n\n" + "\n\n\n".join(s.render() for s in shapes) + "\n"
 
 
 def load(source: str, kernels: list[LoopKernel], autotune: bool = False, sizes: list[int] | None = None):
