@@ -5,13 +5,14 @@ rules/lowering.rules) take a sum over the row and then two more that wait for it
 the program's warps, each a round through shared memory and a barrier.  On long rows an SM holds
 one or two programs, and those rounds leave its loads idle.  Here the row, viewed as [C, K] chunks
 of K = CHUNK elements (one warp's share of a block: the reshape moves nothing), gives each chunk's
-mean and squared deviations about it within its warp (the deviations' own sum corrects both:
-a constant row centres exactly), and one reduction across the warps combines
-the C (mean, squares, count) triples pairwise as Chan et al. do: as stable as the centred two-pass
-form (a row with a mean of 1000 and deviations of 1 keeps its digits), with one tree across warps
-instead of two (BENCHMARKS.md, twenty-fourth session).  The centred sum, exactly 0, is 0; the sum
-is the mean times the row's length, and a store reads the mean as the reduction gave it (not
-n * mean / n, which a GPU's approximate division rounds)."""
+mean and squared deviations about it within its warp, the deviations' own sum correcting both, and
+one reduction across the warps combines the C (mean, squares, count) triples pairwise as Chan et al.
+do: one tree across warps instead of two (BENCHMARKS.md, twenty-fourth session).  The mean travels
+as hi + lo, lo keeping what each combine rounds off hi (a chunk's starts as its deviations' mean),
+so the three accumulators keep the centred form's meaning and accuracy: the sum is n * hi, the
+centred sum n * lo (about hi) and the squares are about hi; a store reads hi itself (not
+n * hi / n, which a GPU's approximate division rounds).  A constant row centres exactly, and rows
+with a mean of 1000 and deviations of 1 come out nearer float64 than eager's (tests/test_triton.py)."""
 from __future__ import annotations
 
 from egraph_compiler.loopir import Acc, Call, Const, LoopKernel, contains, substitute
