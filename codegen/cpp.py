@@ -4,8 +4,8 @@ kernel.  The outer loop is `omp parallel for`, inner loops are `omp simd`
 library by name so that, with glibc's vector math library, they vectorise."""
 from __future__ import annotations
 
-from egraph_compiler.loopir import (ERROR_FLAG, STASH, Acc, Call, Const, Load, LoopKernel, contains, expressions,
-                                    gathers, has_gather, transposed_reads, variables)
+from egraph_compiler.loopir import (ERROR_FLAG, STASH, Acc, Call, Const, Load, LoopKernel, calls, contains,
+                                    expressions, gathers, has_gather, transposed_reads, variables)
 from egraph_compiler.pieces import pieces, strips
 
 from .cpp_across import TILE, column_reduction, columns, tiled
@@ -280,7 +280,7 @@ def _bounded_exps(k: LoopKernel, types) -> tuple[str | None, dict[str, str]]:
     maxima = {red.acc: red.body for red in k.reductions if _combiner(red) == "max"}
     later = [red.body for red in k.reductions if red.combiner != "max"] + [k.value] + [s[2] for s in k.extra_stores]
     found: dict[str, dict[str, str]] = {}
-    for e in (e for root in later for e in _calls(root, "exp")):
+    for e in (e for root in later for e in calls(root, "exp")):
         arg = e.args[0]
         if (isinstance(arg, Call) and arg.op == "sub" and isinstance(arg.args[1], Acc)
                 and maxima.get(arg.args[1].name) == arg.args[0]):
@@ -289,14 +289,6 @@ def _bounded_exps(k: LoopKernel, types) -> tuple[str | None, dict[str, str]]:
                 found.setdefault(arg.args[1].name, {})[text] = "expf(" + text[len("egc_exp("):]
     first = next((acc for acc in maxima if acc in found), None)
     return first, found.get(first, {})
-
-
-def _calls(e, op: str):
-    if isinstance(e, Call):
-        if e.op == op:
-            yield e
-        for a in e.args:
-            yield from _calls(a, op)
 
 
 def _replace_all(line: str, texts: dict[str, str]) -> str:
@@ -309,18 +301,18 @@ def _hoist_rows(k: LoopKernel, types, lines: list[str]) -> list[str]:
     """A gather whose row depends on the outer index alone (an embedding: one token per row) takes
     its row once per outer index, before the inner loops: inside them, egc_row's branch on a bad
     index is control flow that keeps g++ from vectorising the loop."""
-    calls = {}
+    rows = {}
     for g in (g for e in expressions(k) for g in gathers(e)):
         if _outer_only(g.row):
             text = TARGET.row.format(row=_expr(g.row, types), rows=TARGET.int_const(g.rows), err=ERROR_FLAG)
-            calls.setdefault(text, f"egc_g{len(calls)}")
-    if not calls:
+            rows.setdefault(text, f"egc_g{len(rows)}")
+    if not rows:
         return lines
     at = next(i for i, line in enumerate(lines) if line.startswith("  for (int64_t o = 0;")) + 1
     body = lines[at:]
-    for text, name in calls.items():
+    for text, name in rows.items():
         body = [line.replace(text, name) for line in body]
-    return lines[:at] + [f"    const int64_t {name} = {text};" for text, name in calls.items()] + body
+    return lines[:at] + [f"    const int64_t {name} = {text};" for text, name in rows.items()] + body
 
 
 def _outer_only(e) -> bool:

@@ -143,6 +143,7 @@ class _Kernel:
     def __init__(self, k: LoopKernel, splittable: bool = True):
         self.k = k
         self.types = {p.name: p.dtype for p in k.params}
+        self.moments = None  # layer_norm's moments of a long row by chunks (triton_moments.py), set below
         self._outer = False  # rendering the stores made once per outer index (a load's mask: `load`)
         self.pointwise = not k.reductions and all(s[3] for s in self.stores())
         self.looped = not self.pointwise and k.inner > PERSISTENT_MAX
@@ -179,14 +180,13 @@ class _Kernel:
             self.xblock, self.rblock = 2 * TILE, TILE  # reads along o, writes along r: both in runs
         self.staged = (not self.pointwise and not self.looped and self.split <= 1 and len(self.pieces) == 1
                        and triton_staged.stages(k, self.rblock))
-        self.moments = None  # layer_norm's moments of a long row by chunks (triton_moments.py)
         if not self.pointwise and not self.looped and self.split <= 1 and len(self.pieces) == 1:
             self.moments = triton_moments.centred_moments(k, self.rblock)
 
     def stores(self):
         k = self.k
         stores = [(k.store_param, k.store_index, k.value, k.store_in_inner)] + list(k.extra_stores)
-        if not getattr(self, "moments", None):
+        if not self.moments:
             return stores
         total = k.reductions[self.moments[0]]
         return [(p, i, triton_moments.stored(v, k, total), inner) for p, i, v, inner in stores]

@@ -15,7 +15,7 @@ n * hi / n, which a GPU's approximate division rounds).  A constant row centres 
 with a mean of 1000 and deviations of 1 come out nearer float64 than eager's (tests/test_triton.py)."""
 from __future__ import annotations
 
-from egraph_compiler.loopir import Acc, Call, Const, LoopKernel, contains, substitute
+from egraph_compiler.loopir import Acc, Call, Const, LoopKernel, calls, contains, substitute
 
 CHUNK = 256  # elements of a chunk: 8 bf16 (16 bytes) a lane, 32 lanes
 MIN_ROW = 16384  # rows at least this long: where the three sums stay under 85% of the copy bandwidth on an H200
@@ -75,16 +75,9 @@ def stored(value, k: LoopKernel, total) -> object:
     """A store's value reading the row as kept (`{acc}_v`) and the mean as the reduction gave it."""
     mean = (Acc(total.acc), Const(float(k.inner)))
     value = substitute(value, total.body, Acc(f"{total.acc}_v"))
-    for div in {e for e in _calls(value) if e.op == "div" and e.args == mean}:  # (of any node's dtype)
+    for div in {e for e in calls(value, "div") if e.args == mean}:  # (of any node's dtype)
         value = substitute(value, div, Acc(f"{total.acc}_m"))
     return value
-
-
-def _calls(e):
-    if isinstance(e, Call):
-        yield e
-        for a in e.args:
-            yield from _calls(a)
 
 
 def _is_call(e, op: str) -> bool:

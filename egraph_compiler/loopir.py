@@ -212,6 +212,15 @@ def variables(index: "Affine") -> set:
     return out
 
 
+def calls(e, op: str):
+    """Every call of `op` in a scalar expression, outermost first (not inside a gather)."""
+    if isinstance(e, Call):
+        if e.op == op:
+            yield e
+        for a in e.args:
+            yield from calls(a, op)
+
+
 def gathers(e):
     """Every gather in a scalar expression, outermost first."""
     if isinstance(e, Gather):
