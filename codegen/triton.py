@@ -9,10 +9,10 @@ body is a value reused by the store, so the input is read once); longer rows
 loop over RBLOCK chunks.  Arithmetic runs in float32; half-precision buffers
 are widened when loaded and rounded when stored.  This module and its siblings
 (triton_table.py: scalar formulas, dtypes, jit helpers; triton_load.py: loading;
-triton_launch.py: launches; triton_tune.py: launch configurations; triton_staged.py: long rows looped over on one program per SM; triton_build.py:
-ahead-of-time compiles; triton_cache.py, which Triton loads as its cache manager) are the
-only code that imports triton; CPU tensors run under the Triton interpreter
-(TRITON_INTERPRET=1).
+triton_launch.py: launches; triton_tune.py: launch configurations; triton_staged.py: long
+rows looped over on one program per SM; triton_build.py: ahead-of-time compiles;
+triton_cache.py, which Triton loads as its cache manager) are the only code that imports
+triton; CPU tensors run under the Triton interpreter (TRITON_INTERPRET=1).
 """
 from __future__ import annotations
 

@@ -101,6 +101,6 @@ FIELDS = dict(
     language="generated Triton", ops=SCALAR_OPS, const=_const,
     pow_special={2.0: "(({0}) * ({0}))", 0.5: "tl.sqrt({0})", 1.0: "({0})", 3.0: "(({0}) * ({0}) * ({0}))",
                  -1.0: "(1.0 / ({0}))"},
-    floordiv="//", dtypes=frozenset({"float32", "float16", "bfloat16", "bool", "int64", "int32", "weak"}),
+    floordiv="//", dtypes=frozenset(TL) | {"weak"},
     dtype_names=TL, int_const=str, row="_egc_row({row}, {rows}, {err})",
 )
