@@ -99,3 +99,15 @@ def test_unsound_rules_still_raise(rule):
         return torch.exp(x.sum(-1, keepdim=True)) + y
     with pytest.raises(UnsoundRuleError):
         egc.compile(f, [torch.randn(4, 8), torch.randn(4, 8)], rules=[rule], trust_rules=True)
+
+
+def test_a_slow_iteration_without_growth_does_not_stop_the_run():
+    """Time alone is noisy (a garbage collection in one iteration's typing): a 60x slower iteration
+    with 3% more e-nodes must not be read as an explosion (it once stopped BERT's saturation after
+    0.3 s, before its fusions, so one sequence length got a 33-kernel plan and the next 25)."""
+    pace = saturate.Pace(0.0, 106)
+    pace.sizes, pace.costs = [106, 200, 300, 300, 310], [0.005, 0.005, 0.005, 0.3]
+    assert pace.next_seconds() < 1.0
+    # a real explosion (10x e-nodes per iteration, seconds rising with them) is still predicted
+    pace.sizes, pace.costs = [31, 300, 3000], [0.005, 0.05]
+    assert pace.next_seconds() >= 0.05 * 10 * saturate.SAFETY
