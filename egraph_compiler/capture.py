@@ -39,6 +39,7 @@ TABLE = CONVERTERS | INDEXING | GRADIENTS | CONVNETS | FORMS | ENCODER  # every 
 MISSING = missing(TABLE)  # torch's core decompositions of the ops TABLE lacks (decompose.py)
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))  # torch's frames are not the user's source
+_STDLIB_DIR = os.path.dirname(os.path.abspath(os.__file__))  # nor Python's own (contextlib, functools)
 
 
 class _Wrap(torch.nn.Module):
@@ -70,9 +71,24 @@ def export_aten(module: torch.nn.Module, example_inputs, dynamic_shapes=None) ->
                 with torch._guards.tracing(None):
                     program = torch.export.export(module, tuple(example_inputs), strict=False,
                                                   dynamic_shapes=dynamic_shapes)
-            except Exception as exc:  # torch's own message names the failing construct
-                raise CaptureError(f"torch.export could not capture the program: {exc}") from exc
+            except Exception as exc:  # torch's own message names the failing construct; the user's line where it is
+                raise CaptureError(f"torch.export could not capture the program{_failed_at(exc)}: {exc}") from exc
         return program if _functional_already(program) else program.run_decompositions(MISSING)
+
+
+def _failed_at(exc: BaseException) -> str:
+    """' at File "...", line N: code' for the user's deepest frame in the failure's traceback
+    (a branch on a tensor's value, a call with the wrong arguments), or '' where none is."""
+    import traceback
+    frames = []
+    while exc is not None:
+        frames = traceback.extract_tb(exc.__traceback__) + frames
+        exc = exc.__cause__ or exc.__context__
+    for frame in reversed(frames):
+        path = os.path.abspath(frame.filename)
+        if not path.startswith((_TORCH_DIR, _PACKAGE_DIR, _STDLIB_DIR)) and frame.line:
+            return f' at File "{frame.filename}", line {frame.lineno}: {frame.line.strip()}'
+    return ""
 
 
 def _functional_already(program) -> bool:

@@ -335,6 +335,18 @@ def test_non_tensor_example_inputs_get_a_clear_error():
     torch.testing.assert_close(single(torch.ones(3)), torch.full((3,), 2.0))
 
 
+def _branches_on_a_value(x):
+    return x * 2 if x.sum() > 0 else x - 1
+
+
+def test_a_branch_on_a_tensors_value_names_the_users_line():
+    """egc.compile captures one straight-line program: a Python `if` on a tensor's value cannot be
+    captured, and the error says where in the user's code (torch's own message names only a symbol)."""
+    with pytest.raises(egc.CaptureError) as info:
+        egc.compile(_branches_on_a_value, [torch.randn(4, 4)])
+    assert f'File "{__file__}"' in str(info.value) and "if x.sum() > 0" in str(info.value)
+
+
 def test_sparse_tensors_are_refused_by_name_at_compile_and_at_call():
     """A sparse example compiled, and calling with one crashed inside torch ("unsupported memory
     format option Contiguous")."""
