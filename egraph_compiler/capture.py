@@ -15,7 +15,6 @@ import inspect
 import itertools
 import math
 import operator
-import os
 import types
 import warnings
 
@@ -25,6 +24,7 @@ from torch.utils import _pytree as pytree
 
 from . import ops
 from .errors import CaptureError
+from .sources import failed_at, keep_stack_traces, user_line
 from .converters import CONVERTERS
 from .decompose import missing
 from .convnets import CONVNETS
@@ -37,9 +37,6 @@ from .graph import TENSOR_SLOT, WEAK, Bound, ExternCall, Graph, Literal, Node, i
 aten = torch.ops.aten
 TABLE = CONVERTERS | INDEXING | GRADIENTS | CONVNETS | FORMS | ENCODER  # every ATen op capture maps onto the op table
 MISSING = missing(TABLE)  # torch's core decompositions of the ops TABLE lacks (decompose.py)
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
-_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))  # torch's frames are not the user's source
-_STDLIB_DIR = os.path.dirname(os.path.abspath(os.__file__))  # nor Python's own (contextlib, functools)
 
 
 class _Wrap(torch.nn.Module):
@@ -72,23 +69,12 @@ def export_aten(module: torch.nn.Module, example_inputs, dynamic_shapes=None) ->
                     program = torch.export.export(module, tuple(example_inputs), strict=False,
                                                   dynamic_shapes=dynamic_shapes)
             except Exception as exc:  # torch's own message names the failing construct; the user's line where it is
-                raise CaptureError(f"torch.export could not capture the program{_failed_at(exc)}: {exc}") from exc
-        return program if _functional_already(program) else program.run_decompositions(MISSING)
-
-
-def _failed_at(exc: BaseException) -> str:
-    """' at File "...", line N: code' for the user's deepest frame in the failure's traceback
-    (a branch on a tensor's value, a call with the wrong arguments), or '' where none is."""
-    import traceback
-    frames = []
-    while exc is not None:
-        frames = traceback.extract_tb(exc.__traceback__) + frames
-        exc = exc.__cause__ or exc.__context__
-    for frame in reversed(frames):
-        path = os.path.abspath(frame.filename)
-        if not path.startswith((_TORCH_DIR, _PACKAGE_DIR, _STDLIB_DIR)) and frame.line:
-            return f' at File "{frame.filename}", line {frame.lineno}: {frame.line.strip()}'
-    return ""
+                raise CaptureError(f"torch.export could not capture the program{failed_at(exc)}: {exc}") from exc
+        if _functional_already(program):
+            return program
+        decomposed = program.run_decompositions(MISSING)
+        keep_stack_traces(program.graph_module, decomposed.graph_module)
+        return decomposed
 
 
 def _functional_already(program) -> bool:
@@ -268,16 +254,6 @@ def _parameter_names(fn, count: int) -> list[str]:
         names = []
     names += [f"arg{i}" for i in range(len(names), count)]
     return names if len(set(names)) == count else [f"arg{i}" for i in range(count)]
-
-
-def user_line(fx_node) -> str:
-    trace = fx_node.meta.get("stack_trace") or ""
-    lines = [ln.strip() for ln in trace.strip().splitlines()]
-    for i in range(len(lines) - 1, -1, -1):
-        if lines[i].startswith("File ") and _TORCH_DIR not in lines[i] and _PACKAGE_DIR not in lines[i]:
-            code = lines[i + 1] if i + 1 < len(lines) else ""
-            return f"{lines[i]}: {code}"
-    return f"<no source line> ({fx_node.name})"
 
 
 def _convert(fx_node, env, where) -> object:

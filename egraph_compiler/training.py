@@ -26,7 +26,8 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from . import flash
 from .errors import EagerFallbackWarning
-from .capture import MISSING, retarget, user_line
+from .capture import MISSING, retarget
+from .sources import user_line
 
 aten = torch.ops.aten
 

@@ -57,3 +57,19 @@ def test_layer_norm_of_bf16_with_float32_parameters_is_generated():
     compiled = egc.compile(lambda x, w, b: F.layer_norm(x, (64,), w, b), [x, w, b])
     torch.testing.assert_close(compiled(x, w, b), F.layer_norm(x, (64,), w, b))
     assert not compiled.plan.fallbacks and compiled(x, w, b).dtype == torch.bfloat16
+
+
+class _OutsideTheVocabulary(torch.nn.Module):
+    def forward(self, x):
+        return torch.special.i0(x) * 2
+
+
+def test_a_fallback_inside_autocast_names_the_users_line():
+    """The autocast region is a higher-order op that capture decomposes by tracing again, whose nodes'
+    stack traces point at FX's generated code: the fallback must still name the model's own line."""
+    torch._dynamo.reset()
+    egc.last_plans(clear=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.compile(_OutsideTheVocabulary(), backend="egraph")(torch.randn(4, 4))
+    (fallback,) = [f for p in egc.last_plans() for f in p.fallbacks]
+    assert f'File "{__file__}"' in fallback and "torch.special.i0(x)" in fallback, fallback
