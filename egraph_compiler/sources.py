@@ -8,7 +8,6 @@ import re
 import traceback
 
 import torch
-import torch.fx
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))  # torch's frames are not the user's source
@@ -48,8 +47,8 @@ def keep_stack_traces(before, after) -> None:
     user's line.  Such a frame names the node it ran (`special_i0 = ...`): its trace is taken from
     that node of the program before."""
     traces: dict[str, str] = {}
-    for module in before.modules():
-        if isinstance(module, torch.fx.GraphModule):
+    for module in before.modules():  # (the program's module and its higher-order ops' bodies)
+        if hasattr(module, "graph"):
             for node in module.graph.nodes:
                 if node.meta.get("stack_trace") and "<eval_with_key>" not in node.meta["stack_trace"]:
                     traces.setdefault(node.name, node.meta["stack_trace"])
