@@ -425,3 +425,27 @@ def test_a_programs_own_causal_mask_runs_causal_on_the_gpu(dtype, monkeypatch):
         torch.testing.assert_close(got.grad.float(), want.grad, rtol=tol["rtol"], atol=tol["atol"] * scale, msg=name)
     fused = [c for c in calls if c[0] in ("forward", "backward")]
     assert {c[0] for c in fused} == {"forward", "backward"} and all(c[1:] == (True, False) for c in fused), fused
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_cuda_autocast_around_a_compiled_model_has_no_fallbacks(train):
+    """`torch.autocast("cuda")` around the compiled model (test_autocast.py on the CPU): the region is
+    written into Dynamo's graph, so its casts are generated, and results stay within twice eager's
+    bf16 error from float32 (on a GPU Triton rounds to nearest, as eager does)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.LayerNorm(256),
+                                torch.nn.Linear(256, 64)).cuda()
+    eager, truth = copy.deepcopy(model), copy.deepcopy(model)
+    x = torch.randn(32, 64, device="cuda")
+    torch._dynamo.reset()
+    egc.last_plans(clear=True)
+    with torch.set_grad_enabled(train), torch.autocast("cuda", dtype=torch.bfloat16):
+        got, want = torch.compile(model, backend="egraph")(x), eager(x)
+    expected = truth(x)
+
+    def error(a, b):
+        return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+    assert got.dtype == want.dtype == torch.bfloat16
+    assert error(got, expected) <= 2 * error(want, expected) + 1e-3
+    plans = egc.last_plans()
+    assert plans and not [f for p in plans for f in p.fallbacks], [p.fallbacks for p in plans]
