@@ -8,6 +8,7 @@ import os
 import torch
 
 from .symbolic import Symbolic, bind_sizes, constants, scalar_slots
+from .capture import with_ambient_autocast
 from .errors import InputError, OptionError
 from .pipeline import REPORT_ENV, Levels, Options, run_pipeline
 
@@ -235,7 +236,7 @@ def dynamo_backend(gm, example_inputs, **kwargs):
         from .training import training_backend  # AOTAutograd: forward and backward graphs, each compiled
         return training_backend(gm, example_inputs,
                                 lambda graph, **extra: _PerSize(graph, kwargs | {"alias_inputs": True} | extra))
-    per_size = _PerSize(_ambient_autocast(gm), kwargs, guarded=True)
+    per_size = _PerSize(with_ambient_autocast(gm), kwargs, guarded=True)
     if all(isinstance(x, torch.Tensor) and all(isinstance(d, int) for d in x.shape) for x in example_inputs):
         per_size.compile(list(example_inputs))  # a static graph: compiled now, as Dynamo expects
         if not per_size.scalars:  # Dynamo's guards hold its arguments to these shapes and dtypes (and
@@ -250,29 +251,6 @@ def dynamo_backend(gm, example_inputs, **kwargs):
         return per_size(*args)
     run.compiled = per_size.compiled
     return run
-
-
-def _ambient_autocast(gm):
-    """A graph compiled inside `with torch.autocast(...)` around the compiled model: Dynamo hands it
-    over without the region (the state is its guard's), so each op's traced dtype is autocast's while
-    its operands are not cast (every linear then an ATen fallback, "torch's result type differs").
-    The region is written into the graph as Dynamo writes one the model opens itself, so that
-    capture exports its casts.  (AOTAutograd's training graphs trace the state themselves.)"""
-    regions = [(device, torch.get_autocast_dtype(device)) for device in ("cpu", "cuda")
-               if torch.is_autocast_enabled(device)]
-    if not regions:
-        return gm
-    from torch.amp.autocast_mode import _enter_autocast, _exit_autocast
-    graph = gm.graph
-    first = next(n for n in graph.nodes if n.op != "placeholder")
-    output = next(n for n in graph.nodes if n.op == "output")
-    for device, dtype in regions:
-        with graph.inserting_before(first):
-            region = graph.call_function(_enter_autocast, (device, dtype, True, torch.is_autocast_cache_enabled()))
-        with graph.inserting_before(output):
-            graph.call_function(_exit_autocast, (region,))
-    gm.recompile()
-    return gm
 
 
 def _check_options(kwargs: dict) -> None:

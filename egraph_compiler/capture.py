@@ -77,6 +77,29 @@ def export_aten(module: torch.nn.Module, example_inputs, dynamic_shapes=None) ->
         return decomposed
 
 
+def with_ambient_autocast(gm):
+    """A graph compiled inside `with torch.autocast(...)` around the compiled model: Dynamo hands it
+    over without the region (the state is its guard's), so each op's traced dtype is autocast's while
+    its operands are not cast (every linear then an ATen fallback, "torch's result type differs").
+    The region is written into the graph as Dynamo writes one the model opens itself, so that
+    capture exports its casts.  (AOTAutograd's training graphs trace the state themselves.)"""
+    regions = [(device, torch.get_autocast_dtype(device)) for device in ("cpu", "cuda")
+               if torch.is_autocast_enabled(device)]
+    if not regions:
+        return gm
+    from torch.amp.autocast_mode import _enter_autocast, _exit_autocast
+    graph = gm.graph
+    first = next(n for n in graph.nodes if n.op != "placeholder")
+    output = next(n for n in graph.nodes if n.op == "output")
+    for device, dtype in regions:
+        with graph.inserting_before(first):
+            region = graph.call_function(_enter_autocast, (device, dtype, True, torch.is_autocast_cache_enabled()))
+        with graph.inserting_before(output):
+            graph.call_function(_exit_autocast, (region,))
+    gm.recompile()
+    return gm
+
+
 def _functional_already(program) -> bool:
     """The exported graph is one `run_decompositions({})` would only rename: no input or buffer
     mutated, and every op one the converters map or one decomposition keeps whole (functional,

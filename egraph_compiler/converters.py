@@ -183,7 +183,8 @@ def _cast(x, dtype=None, **kw):
 
 
 def _layer_norm(x, shape, w=None, b=None, eps=1e-5, cudnn=False):
-    w, b, attrs = w if w is not None else const(1.0), b if b is not None else const(0.0), {"ndim": len(shape), "eps": float(eps)}
+    w, b = w if w is not None else const(1.0), b if b is not None else const(0.0)
+    attrs = {"ndim": len(shape), "eps": float(eps)}
     if x.dtype in ("bfloat16", "float16") and "float32" in (w.dtype, b.dtype):  # torch's mixed kernel (autocast)
         return _cast(Node.make("layer_norm", (_cast(x, torch.float32), w, b), attrs), getattr(torch, x.dtype))
     return Node.make("layer_norm", (x, w, b), attrs)

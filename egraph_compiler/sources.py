@@ -14,11 +14,20 @@ _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))  # torch's frames 
 _STDLIB_DIR = os.path.dirname(os.path.abspath(os.__file__))  # nor Python's own (contextlib, functools)
 
 
+def _users(where: str) -> bool:
+    """Whether a frame (its path, or a stack trace's `File "..."` line) is the user's code: not
+    torch's, this package's, Python's own library's (its site-packages are users') or FX's
+    generated code."""
+    if any(d in where for d in (_TORCH_DIR, _PACKAGE_DIR, "<eval_with_key>")):
+        return False
+    return not (_STDLIB_DIR in where and "-packages" not in where)
+
+
 def user_line(fx_node) -> str:
     trace = fx_node.meta.get("stack_trace") or ""
     lines = [ln.strip() for ln in trace.strip().splitlines()]
     for i in range(len(lines) - 1, -1, -1):
-        if lines[i].startswith("File ") and not any(d in lines[i] for d in (_TORCH_DIR, _PACKAGE_DIR, "<eval_with_key>")):
+        if lines[i].startswith("File ") and _users(lines[i]):
             code = lines[i + 1] if i + 1 < len(lines) else ""
             return f"{lines[i]}: {code}"
     return f"<no source line> ({fx_node.name})"
@@ -32,8 +41,7 @@ def failed_at(exc: BaseException) -> str:
         frames = traceback.extract_tb(exc.__traceback__) + frames
         exc = exc.__cause__ or exc.__context__
     for frame in reversed(frames):
-        path = os.path.abspath(frame.filename)
-        if not path.startswith((_TORCH_DIR, _PACKAGE_DIR, _STDLIB_DIR)) and frame.line:
+        if _users(os.path.abspath(frame.filename)) and frame.line:
             return f' at File "{frame.filename}", line {frame.lineno}: {frame.line.strip()}'
     return ""
 

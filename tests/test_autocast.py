@@ -1,6 +1,6 @@
 """`torch.autocast` around a compiled model, as users write mixed precision: Dynamo hands the graph
 over without the region (the state is one of its guards), so the backend writes the region back into
-the graph (api._ambient_autocast) and the casts are captured; AOTAutograd's training graphs trace
+the graph (capture.with_ambient_autocast) and the casts are captured; AOTAutograd's training graphs trace
 them themselves.  Outputs and gradients are judged against the float32 model: ours may be off it by
 at most twice eager's own bf16 error (plus a little), with no ATen fallback.  (Under the Triton
 interpreter, eight times: it truncates float32 to bf16 where a GPU rounds to nearest, TESTING.md, and a
