@@ -25,7 +25,7 @@ from egraph_compiler.loopir import (ERROR_FLAG, STASH, Acc, Affine, Load, LoopKe
                                     substitute, transposed_reads, variables)
 from egraph_compiler.pieces import pieces
 
-from . import triton_moments, triton_split, triton_staged
+from . import triton_split, triton_staged
 from .triton_load import SIZED
 from .triton_table import FIELDS, PRELUDE, TL
 from .walker import Target, render_expr, render_index
@@ -42,7 +42,6 @@ class _Kernel:
     def __init__(self, k: LoopKernel, splittable: bool = True):
         self.k = k
         self.types = {p.name: p.dtype for p in k.params}
-        self.moments = None  # layer_norm's moments of a long row by chunks (triton_moments.py), set below
         self._outer = False  # rendering the stores made once per outer index (a load's mask: `load`)
         self.pointwise = not k.reductions and all(s[3] for s in self.stores())
         self.looped = not self.pointwise and k.inner > PERSISTENT_MAX
@@ -79,16 +78,10 @@ class _Kernel:
             self.xblock, self.rblock = 2 * TILE, TILE  # reads along o, writes along r: both in runs
         self.staged = (not self.pointwise and not self.looped and self.split <= 1 and len(self.pieces) == 1
                        and triton_staged.stages(k, self.rblock))
-        if not self.pointwise and not self.looped and self.split <= 1 and len(self.pieces) == 1:
-            self.moments = triton_moments.centred_moments(k, self.rblock)
 
     def stores(self):
         k = self.k
-        stores = [(k.store_param, k.store_index, k.value, k.store_in_inner)] + list(k.extra_stores)
-        if not self.moments:
-            return stores
-        total = k.reductions[self.moments[0]]
-        return [(p, i, triton_moments.stored(v, k, total), inner) for p, i, v, inner in stores]
+        return [(k.store_param, k.store_index, k.value, k.store_in_inner)] + list(k.extra_stores)
 
     def grid(self) -> tuple:
         if len(self.pieces) > 1:
@@ -139,12 +132,6 @@ class _Kernel:
         if not self.looped:
             lines += self._columns("0", "    ", even=0 < k.inner == self.rblock)
         for group in self._passes():
-            if self.moments:  # (the moments' three sums as one, at the first one's place)
-                if self.moments[0] in (i for i, _ in group):
-                    lines += triton_moments.render(self.expr, *(k.reductions[i] for i in self.moments), self.rblock)
-                group = [(i, red) for i, red in group if i not in self.moments]
-                if not group:
-                    continue
             if len(group) == 1:
                 lines += self._reduction(*group[0])
             else:
@@ -288,8 +275,7 @@ def _pow2(n: int) -> int:
 
 def render_program(kernels: list[LoopKernel]) -> str:
     shapes = [_Kernel(k) for k in kernels]
-    prelude = PRELUDE + (triton_moments.COMBINE if any(s.moments for s in shapes) else "")
-    return prelude + "\n\n" + "\n\n\n".join(s.render() for s in shapes) + "\n"
+    return PRELUDE + "\n\n" + "\n\n\n".join(s.render() for s in shapes) + "\n"
 
 
 def load(source: str, kernels: list[LoopKernel], autotune: bool = False, sizes: list[int] | None = None):
