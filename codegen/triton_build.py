@@ -30,7 +30,8 @@ def warm_in_parallel(source: str, kernels: list[LoopKernel], tune: bool = False,
     compiled at its first launch, as before (errors surface there)."""
     path = _module_path(source)
     specs = [(name, [dtype for _, dtype in params], launch_options(k, shape))  # (each candidate, where tuned)
-             for k in kernels for shape in triton_tune.to_compile(_Kernel(k), tune)
+             for k in kernels if f"def {k.name}(" in source  # (a repeated kernel runs another's code)
+             for shape in triton_tune.to_compile(_Kernel(k), tune)
              for name, params in kernel_functions(k, shape, sizes)]
     workers = min(int(os.environ.get(WORKERS_ENV, "8")), os.cpu_count() or 1, -(-len(specs) // 4))
     children = [subprocess.Popen([sys.executable, "-c", _WARM, str(path), json.dumps(specs[i::workers])],

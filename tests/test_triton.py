@@ -1,6 +1,8 @@
 """The Triton renderer, run on CPU tensors under Triton's interpreter
 (`target="triton"`): every kernel kind, the seven workloads at test sizes,
 and half-precision storage."""
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -251,3 +253,31 @@ def test_kernels_of_one_text_and_other_launches_are_not_shared():
     assert len(compiled.loop_kernels) == 2, str(compiled.plan)
     for got, want in zip(compiled(a, b), f(a, b)):
         torch.testing.assert_close(got, want)
+
+
+def test_warm_up_children_compile_each_kernel_text_once(monkeypatch):
+    """A repeated layer's kernels render once (walker.unique_kernels): the warm-up children
+    (triton_build.warm_in_parallel) are handed only functions the module defines, each once
+    (they had been handed the repeats too, which failed in the children)."""
+    from egraph_compiler.codegen import triton_build
+
+    def f(x, w):
+        for _ in range(4):
+            x = torch.softmax(x @ w, -1) * 2.0 + x
+        return x
+    x, w = torch.randn(16, 32), torch.randn(32, 32)
+    compiled = egc.compile(f, [x, w], target="triton")
+    names = [k.name for k in compiled.loop_kernels]
+    defined = [n for n in names if f"def {n}(" in compiled.source]
+    assert len(defined) < len(names), compiled.source  # (the repeats exist: the check below means something)
+    handed = []
+
+    class Child:
+        def __init__(self, argv, **_):
+            handed.extend(name for name, _, _ in json.loads(argv[-1]))
+
+        def wait(self):
+            return 0
+    monkeypatch.setattr(triton_build.subprocess, "Popen", Child)
+    triton_build.warm_in_parallel(compiled.source, compiled.loop_kernels)
+    assert sorted(handed) == sorted(defined), (handed, defined)
