@@ -4,6 +4,8 @@ from __future__ import annotations
 import difflib
 import inspect
 import os
+import random
+import weakref
 
 import torch
 
@@ -192,20 +194,23 @@ def explain(fn, example_inputs, **kwargs) -> Levels:
     return compile(fn, example_inputs, **kwargs).levels
 
 
-_COMPILED: list = []  # programs compiled through backend="egraph", most recent last (see last_plans)
+_COMPILED: list = []  # weak references to the programs compiled through backend="egraph", most recent
+# last (see last_plans): a program a graph's cache evicted is freed (held here, every size a long
+# generation met stayed in memory, CUDA graphs' pools included)
 
 
 def last_plans(clear: bool = False) -> list:
     """The plans compiled through `torch.compile(..., backend="egraph")` in this
     process, most recent last (one per graph, one per size of a dynamic graph,
     a forward and a backward plan per training graph): what a test inspects.
-    `clear=True` empties the record."""
+    Only programs still in use are listed (a size evicted from its graph's
+    cache is gone).  `clear=True` empties the record."""
     return [c.plan for c in last_compiled(clear)]
 
 
 def last_compiled(clear: bool = False) -> list:
     """As `last_plans`, the compiled programs themselves (`.plan`, `.source`, `.levels`)."""
-    compiled = list(_COMPILED)
+    compiled = [c for c in (ref() for ref in _COMPILED) if c is not None]
     if clear:
         _COMPILED.clear()
     return compiled
@@ -268,14 +273,23 @@ class _PerSize:
     """A Dynamo graph, compiled for each distinct (shape, dtype, device) of its
     tensor arguments and each value of its size arguments (SymInts at capture)
     and of its float arguments (a Python float whose value changed between
-    calls, which Dynamo passes as a 0-d tensor read by `.item()`)."""
-    LIMIT = 16  # sizes kept; more evict the least recently used
+    calls, which Dynamo passes as a 0-d tensor read by `.item()`).
+
+    At most LIMIT programs are kept (GRAPHED_LIMIT with CUDA graphs, each of which
+    holds its own memory pool); a new one past that evicts one at random (seeded:
+    reproducible).  Sizes come in cycles (`generate()` meets each sequence length
+    once per call), and a cycle longer than the cache evicts, under least recently
+    used, each size just before it comes again: a second 30-token generation
+    compiled all 29 lengths again.  Random eviction keeps a share of them."""
+    LIMIT, GRAPHED_LIMIT = 64, 16
 
     def __init__(self, gm, kwargs, guarded: bool = False):
         self.gm, self.kwargs, self.programs, self.compiled = gm, kwargs, {}, None
         self.guarded = guarded  # a graph Dynamo hands over (its guards hold its inputs), not one of AOTAutograd's
         self.scalars = scalar_slots(gm)
         self.symbolic: dict = {}  # the values bound as constants -> the graph exported for every size
+        self.limit = self.GRAPHED_LIMIT if kwargs.get("cuda_graphs") else self.LIMIT
+        self._evict = random.Random(0)
 
     def _key(self, args) -> tuple:
         return tuple(("item", a.item()) if i in self.scalars else
@@ -290,7 +304,7 @@ class _PerSize:
         key = repr(sorted(values.items()))
         if key not in self.symbolic:
             self.symbolic[key] = Symbolic(self.gm, values)
-            while len(self.symbolic) > self.LIMIT:
+            while len(self.symbolic) > self.limit:
                 del self.symbolic[next(iter(self.symbolic))]
         exported = self.symbolic[key].program(tensors)
         gm.egc_exported = exported  # (capture's ATen graph at these sizes; None: it exports them)
@@ -304,18 +318,16 @@ class _PerSize:
         compiled._executable.strides_by_caller = self.guarded and _static_graph(self.gm)
         if compiled._executable.graphed is not None:  # (strides too: Dynamo guards those of static graphs)
             compiled._executable.graphed.strides_checked = _static_graph(self.gm)
+        while len(self.programs) >= self.limit:
+            del self.programs[self._evict.choice(list(self.programs))]
         self.programs[self._key(args)] = (compiled, slots)
-        while len(self.programs) > self.LIMIT:
-            del self.programs[next(iter(self.programs))]
-        _COMPILED.append(compiled)
+        _COMPILED[:] = [ref for ref in _COMPILED if ref() is not None] + [weakref.ref(compiled)]
         self.compiled = compiled  # the latest, for tests
         return compiled, slots
 
     def __call__(self, *args):
-        key = self._key(args)
-        entry = self.programs.pop(key, None)
+        entry = self.programs.get(self._key(args))
         compiled, slots = entry if entry is not None else self.compile(list(args))
-        self.programs[key] = (compiled, slots)  # most recently used last
         return _as_tuple(compiled(*(args[i] for i in slots)))
 
 

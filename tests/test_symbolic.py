@@ -113,3 +113,27 @@ def test_fallback_warnings_name_the_source_line_of_a_dynamic_graph():
 class _Relu(torch.nn.Module):
     def forward(self, x):
         return torch.relu(x).sum(0)
+
+
+def test_sizes_in_cycles_longer_than_the_cache_keep_some_and_free_the_rest(monkeypatch):
+    """`generate()` meets each sequence length once per call.  With the per-size cache smaller than
+    the cycle, least-recently-used eviction dropped each size just before it came again (a second
+    30-token generation compiled all 29 lengths again), and the record behind `last_compiled` kept
+    every evicted program alive.  Random eviction keeps some; evicted programs are freed."""
+    import gc
+    from egraph_compiler import api
+    monkeypatch.setattr(api._PerSize, "LIMIT", 4)
+    compiles = []
+    real = api.compile
+    monkeypatch.setattr(api, "compile", lambda *a, **k: compiles.append(1) or real(*a, **k))
+    torch._dynamo.reset()
+    egc.last_compiled(clear=True)
+    fn = torch.compile(lambda x: torch.softmax(x * 2.0, -1) + 1.0, backend="egraph", dynamic=True)
+    lengths = [5, 6, 7, 8, 9, 10]
+    for _ in range(3):
+        for n in lengths:
+            x = torch.randn(3, n)
+            torch.testing.assert_close(fn(x), torch.softmax(x * 2.0, -1) + 1.0)
+    assert len(lengths) < len(compiles) < 3 * len(lengths), len(compiles)  # (every call a compile under LRU)
+    gc.collect()
+    assert len(egc.last_compiled()) <= 4
