@@ -13,6 +13,8 @@ of another layout than the one seen is never read through the old strides.
 """
 from __future__ import annotations
 
+import threading
+
 import torch
 from torch._prims_common import make_contiguous_strides_for
 
@@ -54,9 +56,24 @@ class TorchSteps:
         `computed`: every node a kernel computes (a view chain reads the nearest one)."""
         self.device = device
         self.dense, self.computed = dense, computed
-        self.memo: dict = {}  # values one run shares between its steps (the runtime resets it per run)
+        self._runs = threading.local()  # `memo`: values one run shares between its steps, per thread
         self.views: dict[int, dict] = {}  # a view's node -> {its base's layout: (size, stride, offset) | None}
         self._getters: dict[int, object] = {}
+
+    @property
+    def memo(self) -> dict:
+        """The values this thread's run shares between its steps (a mask converted once for the
+        layers that read it, one attention call's two results).  The runtime starts a fresh one
+        per run.  Per thread: one dict for all made two threads' runs of a program read each
+        other's values (a mask's dead rows taken from the other thread's mask: wrong results)."""
+        memo = getattr(self._runs, "memo", None)
+        if memo is None:  # (a thread's first step outside a run: timing a step alone)
+            memo = self._runs.memo = {}
+        return memo
+
+    @memo.setter
+    def memo(self, value: dict) -> None:
+        self._runs.memo = value
 
     def tensor(self, node: Node, env) -> torch.Tensor:
         value = env.get(id(node))

@@ -123,3 +123,45 @@ def test_a_constant_its_program_let_go_is_trusted_no_more():
     assert masks.causal(view, 6, 6)
     del value
     assert not masks.causal(view, 6, 6)
+
+
+def test_threads_calling_one_program_get_their_own_masks_dead_rows():
+    """Two threads calling one compiled program with masks whose dead rows differ (attention's NaN
+    rows, found once per run for the layers that read the mask).  The values a run shares between
+    its steps were one dict per program: a run read the rows the other thread's run had found
+    (226 wrong results of 600 calls).  They are per thread now."""
+    import sys
+    import threading
+    torch.manual_seed(0)
+    w = torch.randn(32, 32) * 0.1
+
+    def f(q, k, v, m):
+        x = q
+        for _ in range(4):
+            x = torch.softmax((x @ k.transpose(-1, -2)) * 0.125 + m, -1) @ v @ w + x
+        return x
+    q, k, v = (torch.randn(2, 4, 128, 32) for _ in range(3))
+    open_mask = torch.zeros(128, 128)
+    dead_rows = torch.zeros(128, 128)
+    dead_rows[5:9] = float("-inf")
+    compiled = egc.compile(f, [q, k, v, open_mask])
+    assert "softmax_attention" in compiled.plan.ops(), str(compiled.plan)
+    wrong = []
+
+    def calls(mask):
+        want = f(q, k, v, mask)
+        for _ in range(60):
+            got = compiled(q, k, v, mask)
+            if not torch.allclose(got, want, atol=1e-4, equal_nan=True):
+                wrong.append(mask is dead_rows)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # (threads switch between any two steps)
+    try:
+        threads = [threading.Thread(target=calls, args=(m,)) for m in (open_mask, dead_rows) * 2]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not wrong, f"{len(wrong)} wrong results of {60 * len(threads)}"
