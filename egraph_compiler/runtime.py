@@ -7,6 +7,7 @@ torch on views of the same buffers.  Buffers live on the target's device.
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -73,6 +74,7 @@ class Executable:
         self._constants = self._folded()
         self._permuted = [(i, key, dims) for i, (_, key, _, _, dims) in enumerate(self._specs) if dims is not None]
         self.graphed = None
+        self._graph_lock = threading.Lock()  # one call at a time through a graph's buffers and state
         self._assembly: tuple = (None, None)  # (the graph's state it serves, outputs.Assembly) after a replay
         self.checked_by_caller = False  # api._PerSize: each argument's shape, dtype, device (and strides)
         self.strides_by_caller = False  # ...and strides too (a static Dynamo graph): `_bind`'s work is known
@@ -105,15 +107,20 @@ class Executable:
         return self._call(args)
 
     def _call(self, args):
-        env, owned = self.graphed(self._bind(args)) if self.graphed else (self._run(self._bind(args)), False)
-        if owned:
-            results = self._replayed(env)
+        if self.graphed:
+            with self._graph_lock:  # (another thread's call between this one's copies in, replay and
+                results = self._results(*self.graphed(self._bind(args)))  # copies out: its results)
         else:
-            saved = self._saved
-            results = tuple(self._result(i, env, lend=i in saved) for i in range(len(self.graph.outputs)))
+            results = self._results(self._run(self._bind(args)), False)
         if self.graph.mutations:
             self._write_back(args, results)
         return self._structure(results)
+
+    def _results(self, env, owned: bool) -> tuple:
+        if owned:
+            return self._replayed(env)
+        saved = self._saved
+        return tuple(self._result(i, env, lend=i in saved) for i in range(len(self.graph.outputs)))
 
     def kernel_times(self, *args, reps: int = 5, inner: int = 5) -> dict[str, float]:
         """Median seconds of each wrapper step over `reps` runs (timing.kernel_times)."""
