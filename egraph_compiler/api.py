@@ -319,7 +319,7 @@ class _PerSize:
         if compiled._executable.graphed is not None:  # (strides too: Dynamo guards those of static graphs)
             compiled._executable.graphed.strides_checked = _static_graph(self.gm)
         while len(self.programs) >= self.limit:
-            del self.programs[self._evict.choice(list(self.programs))]
+            self.programs.pop(self._evict.choice(list(self.programs)), None)  # (pop: threads may race)
         self.programs[self._key(args)] = (compiled, slots)
         _COMPILED[:] = [ref for ref in _COMPILED if ref() is not None] + [weakref.ref(compiled)]
         self.compiled = compiled  # the latest, for tests

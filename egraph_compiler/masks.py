@@ -46,8 +46,8 @@ def note(value: torch.Tensor) -> None:
 
 def _forget(address: int) -> None:
     _NOTED.pop(address, None)
-    for key in [k for k in _SEEN if k[0] == address]:
-        del _SEEN[key]
+    for key in [k for k in list(_SEEN) if k[0] == address]:  # (a copy: runs in other threads add to it)
+        _SEEN.pop(key, None)
 
 
 def causal(mask: torch.Tensor | None, queries: int, keys: int) -> bool:
