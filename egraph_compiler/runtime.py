@@ -8,8 +8,6 @@ torch on views of the same buffers.  Buffers live on the target's device.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
-
 import torch
 from torch.utils import _pytree as pytree
 
@@ -20,7 +18,8 @@ from .graph import Graph, Literal, Node, view_source
 from .graphs import GraphedRunner, recorder_for
 from .outputs import COPY, Assembly, flat_sequence, whole_buffer
 from .plan import Plan, release_schedule, verify_plan
-from .steps import TorchSteps, empty, torch_dtype
+from .steps import TorchSteps, torch_dtype
+from .wrapper import exec_wrapper, straight_line
 
 
 class Executable:
@@ -62,7 +61,7 @@ class Executable:
                           + [id(n) for n in nodes.values()])
         computed = frozenset(id(n) for k in plan.kernels for n in k.outputs)
         self.steps = TorchSteps(target.device, dense, computed)  # library calls, fallbacks and views (steps.py)
-        self.wrapper = _straight_line(self, {lk.name: lk for lk in loops}, nodes, release)
+        self.wrapper = straight_line(self, {lk.name: lk for lk in loops}, nodes, release)
         self._run = self._runner(self.wrapper.names)
         bound = self.graph.bound
         orders = self.graph.orders  # (an input in its storage's order: the caller's tensor permuted)
@@ -135,7 +134,7 @@ class Executable:
 
     def _runner(self, names: dict):
         """The wrapper over these step callables, each run starting a fresh memo."""
-        wrapper = _exec_wrapper(self.wrapper.source, names)
+        wrapper = exec_wrapper(self.wrapper.source, names)
 
         steps = self.steps
 
@@ -345,60 +344,6 @@ class Executable:
         the strides eager gives it (eager's contiguous results stay contiguous: `.view` works)."""
         strides = self.graph.output_strides.get(i)
         return strides is not None and value.stride() == strides and whole_buffer(value)
-
-
-@dataclass
-class Wrapper:
-    """The straight-line Python a compiled program runs per call (as Inductor's
-    wrapper code): one line per kernel launch, allocation and release, no
-    interpretation of the plan.  `source` prints; `names` are its globals."""
-    source: str
-    names: dict = field(default_factory=dict)
-
-
-def _straight_line(executable: Executable, loops_by_name: dict, nodes: dict, release) -> Wrapper:
-    plan, target = executable.plan, executable.target
-    local: dict[int, str] = {}
-    names: dict = {}
-    lines = ["def run(env):"]
-    generated_reads = {id(i) for k in plan.kernels if k.kind == "generated" for i in k.inputs}
-    for i, node in enumerate(plan.graph.inputs):
-        local[id(node)] = f"a{i}"
-        lines.append(f"    a{i} = env[{id(node)}]")
-    for step, kernel in enumerate(plan.kernels):
-        if kernel.kind == "generated" and kernel.loop_nest:
-            pass  # computed by its sibling's loop nest
-        elif kernel.kind == "generated":
-            loop = loops_by_name[kernel.name]
-            ins = [local[id(nodes[p.name])] for p in loop.params if p.role == "in"]
-            outs = []
-            for p in loop.params:
-                if p.role == "out":
-                    node = nodes[p.name]
-                    outs.append(p.name)
-                    local[id(node)] = p.name
-                    names[f"_empty_{p.name}"] = empty(node.shape, torch_dtype(node.dtype), target.device)
-                    lines.append(f"    {p.name} = _empty_{p.name}()")
-            names[f"_{kernel.name}"] = executable._calls[kernel.name]
-            lines.append(f"    _{kernel.name}({', '.join(ins + outs)})  # {kernel.output.op}")
-        else:
-            local[id(kernel.output)] = f"t{step}"
-            names[f"_{kernel.name}"] = executable.torch_step(kernel, id(kernel.output) in generated_reads)
-            args = ", ".join(local[id(i)] for i in kernel.inputs)
-            lines.append(f"    t{step} = _{kernel.name}({args})  # {kernel.kind}: {kernel.output.op}")
-        dead = [local[id(n)] for n in release[step]]
-        if dead:
-            lines.append(f"    del {', '.join(dead)}")
-    released = {id(n) for step in release for n in step}
-    live = [(key, name) for key, name in local.items() if key not in released]
-    lines.append("    return {" + ", ".join(f"{key}: {name}" for key, name in live) + "}")
-    return Wrapper("\n".join(lines), names)
-
-
-def _exec_wrapper(source: str, names: dict):
-    scope = dict(names)
-    exec(compile(source, "<egraph-compiler wrapper>", "exec"), scope)
-    return scope["run"]
 
 
 def _all_nodes(plan: Plan):
