@@ -80,7 +80,9 @@ def sdpa(t, a, prepared: bool = False):
     expand = _expansions(q.shape, k.shape, v.shape, mask.shape if mask is not None else None, grouped)
     q, k, v = (x if shape is None else x.expand(shape) for x, shape in zip((q, k, v), expand))
 
-    def call(q, k, v):
+    def call(q, k, v, math=False):
+        if math:
+            return math_attention(q, k, v, mask, a["causal"], a["scale"], grouped)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=a["causal"], scale=a["scale"],
                                               enable_gqa=grouped)
     if k.shape[-2] == 0:  # no keys: each row's weights are empty and its sum 0 (torch's CPU kernel returns
@@ -120,8 +122,7 @@ def on_cpu(call, q, k, v, mask=None, causal=False, scale=None, grouped=False):
             return out
     elif _finite(q, k):
         return call(q, k, v)
-    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
-        return call(q, k, v)
+    return call(q, k, v, math=True)
 
 
 def _finite(q, k) -> bool:
@@ -155,7 +156,9 @@ def attention(shapes: list, a: dict, cuda: bool):
             k = k.expand(expand[1])
         if expand[2]:
             v = v.expand(expand[2])
-        def call(q, k, v):
+        def call(q, k, v, math=False):
+            if math:
+                return math_attention(q, k, v, mask, causal, scale, grouped)
             return sdpa_(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=grouped)
         return on_cuda(call, q, k, v) if cuda else on_cpu(call, q, k, v, mask, causal, scale, grouped)
     return run
@@ -216,8 +219,24 @@ def on_cuda(call, q, k, v):
     try:
         return call(q, k, v)
     except RuntimeError:
-        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
-            return call(q, k, v)
+        return call(q, k, v, math=True)
+
+
+def math_attention(q, k, v, mask, causal: bool, scale, grouped: bool):
+    """torch's math kernel for sdpa, called directly.  `sdpa_kernel(MATH)` sets process-wide
+    flags: two threads' contexts interleaving (A enters, B enters and saves A's MATH-only, A
+    restores, B restores MATH-only) left every later sdpa of the process on the math kernel, which
+    refuses a mask with `is_causal` (a threaded test failed the sdpa tests that ran after it).  As
+    torch's sdpa hands it over: a bool mask as 0 / -inf, and here the causal mask added to a mask
+    (the math kernel takes one or the other)."""
+    if mask is not None and mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
+    if causal:
+        keep = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+        past = torch.zeros(keep.shape, dtype=q.dtype, device=q.device).masked_fill(~keep, float("-inf"))
+        mask, causal = (past if mask is None else mask + past), False
+    return torch.ops.aten._scaled_dot_product_attention_math(q, k, v, mask, 0.0, causal, scale=scale,
+                                                             enable_gqa=grouped)[0]
 
 
 def query_group_mask(mask, groups: int, rows: int):
@@ -240,7 +259,9 @@ def grouped_queries(q, k, v, group_mask, scale):
     kv_heads = k.shape[-3]
     flat = q.reshape(b, kv_heads, heads // kv_heads * rows, d)
 
-    def call(q, k, v):
+    def call(q, k, v, math=False):
+        if math:
+            return math_attention(q, k, v, group_mask, False, scale, False)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=group_mask, scale=scale)
     return on_cuda(call, flat, k, v).reshape(b, heads, rows, v.shape[-1])
 

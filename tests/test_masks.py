@@ -165,3 +165,46 @@ def test_threads_calling_one_program_get_their_own_masks_dead_rows():
     finally:
         sys.setswitchinterval(interval)
     assert not wrong, f"{len(wrong)} wrong results of {60 * len(threads)}"
+
+
+def test_attention_math_fallbacks_in_threads_leave_torchs_kernel_choice_alone():
+    """A non-finite q takes torch's math kernel (library.on_cpu).  It was chosen with
+    `sdpa_kernel(MATH)`, which sets process-wide flags: threads entering and leaving it at once left
+    the whole process on the math kernel, which refuses a mask with `is_causal`, and the sdpa
+    tests that ran after the threaded test failed.  The math kernel is called directly now, with
+    the causal mask added to the caller's (a row that meets a NaN is NaN, as eager's math kernel)."""
+    import sys
+    import threading
+    from egraph_compiler import library
+    flags = (torch._C._get_flash_sdp_enabled(), torch._C._get_math_sdp_enabled(),
+             torch._C._get_mem_efficient_sdp_enabled())
+    q, k, v = torch.randn(2, 3, 5, 8), torch.randn(2, 3, 7, 8), torch.randn(2, 3, 7, 8)
+    q[0, 0, 1, 2] = float("nan")
+    mask = torch.randn(5, 7)
+    for causal in (False, True):
+        got = library.sdpa([q, k, v, mask], {"scale": 0.3, "causal": causal})
+        scores = q @ k.transpose(-2, -1) * 0.3 + mask
+        if causal:
+            scores = scores.masked_fill(~torch.ones(5, 7, dtype=torch.bool).tril(), float("-inf"))
+        torch.testing.assert_close(got, torch.softmax(scores, -1) @ v, equal_nan=True)
+    errors = []
+
+    def calls():
+        try:
+            for _ in range(200):
+                library.sdpa([q, k, v, mask], {"scale": 0.3, "causal": False})
+        except Exception as exc:  # (a failure in a thread is not the test's unless kept)
+            errors.append(exc)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=calls) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not errors, errors
+    assert (torch._C._get_flash_sdp_enabled(), torch._C._get_math_sdp_enabled(),
+            torch._C._get_mem_efficient_sdp_enabled()) == flags
