@@ -130,8 +130,6 @@ def test_threads_calling_one_program_get_their_own_masks_dead_rows():
     rows, found once per run for the layers that read the mask).  The values a run shares between
     its steps were one dict per program: a run read the rows the other thread's run had found
     (226 wrong results of 600 calls).  They are per thread now."""
-    import sys
-    import threading
     torch.manual_seed(0)
     w = torch.randn(32, 32) * 0.1
 
@@ -154,17 +152,25 @@ def test_threads_calling_one_program_get_their_own_masks_dead_rows():
             got = compiled(q, k, v, mask)
             if not torch.allclose(got, want, atol=1e-4, equal_nan=True):
                 wrong.append(mask is dead_rows)
+    runs = [(m,) for m in (open_mask, dead_rows) * 2]
+    _in_threads(calls, runs)
+    assert not wrong, f"{len(wrong)} wrong results of {60 * len(runs)}"
+
+
+def _in_threads(fn, arguments: list) -> None:
+    """fn(*a) for each a in its own thread, all at once, switching between any two steps."""
+    import sys
+    import threading
     interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)  # (threads switch between any two steps)
+    sys.setswitchinterval(1e-6)
     try:
-        threads = [threading.Thread(target=calls, args=(m,)) for m in (open_mask, dead_rows) * 2]
+        threads = [threading.Thread(target=fn, args=a) for a in arguments]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
     finally:
         sys.setswitchinterval(interval)
-    assert not wrong, f"{len(wrong)} wrong results of {60 * len(threads)}"
 
 
 def test_attention_math_fallbacks_in_threads_leave_torchs_kernel_choice_alone():
@@ -173,8 +179,6 @@ def test_attention_math_fallbacks_in_threads_leave_torchs_kernel_choice_alone():
     the whole process on the math kernel, which refuses a mask with `is_causal`, and the sdpa
     tests that ran after the threaded test failed.  The math kernel is called directly now, with
     the causal mask added to the caller's (a row that meets a NaN is NaN, as eager's math kernel)."""
-    import sys
-    import threading
     from egraph_compiler import library
     flags = (torch._C._get_flash_sdp_enabled(), torch._C._get_math_sdp_enabled(),
              torch._C._get_mem_efficient_sdp_enabled())
@@ -195,16 +199,7 @@ def test_attention_math_fallbacks_in_threads_leave_torchs_kernel_choice_alone():
                 library.sdpa([q, k, v, mask], {"scale": 0.3, "causal": False})
         except Exception as exc:  # (a failure in a thread is not the test's unless kept)
             errors.append(exc)
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    try:
-        threads = [threading.Thread(target=calls) for _ in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    finally:
-        sys.setswitchinterval(interval)
+    _in_threads(calls, [()] * 4)
     assert not errors, errors
     assert (torch._C._get_flash_sdp_enabled(), torch._C._get_math_sdp_enabled(),
             torch._C._get_mem_efficient_sdp_enabled()) == flags
