@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import re
+import threading
 
 from egraph_compiler.cache import build_shared_object
 from egraph_compiler.errors import IndexOutOfRange
@@ -36,12 +37,17 @@ def load(source: str, kernels: list[LoopKernel], sizes: list[int] | None = None)
 
 
 def _checked(fn, name: str, extra: tuple):
-    """A kernel with gathers: its error flag passed after the tensors, and read after each call."""
-    flag = (ctypes.c_int32 * 1)()
-    address = ctypes.addressof(flag)
+    """A kernel with gathers: its error flag passed after the tensors, and read after each call.
+    A flag per thread: ctypes lets go of the GIL during the call, and with one flag a thread whose
+    ids were in range could read (and clear) another's error, which then returned rows it never
+    read, silently."""
+    flags = threading.local()
 
     def call(*tensors):
-        fn(*[t.data_ptr() for t in tensors], address, *extra)
+        flag = getattr(flags, "flag", None)
+        if flag is None:
+            flag = flags.flag = (ctypes.c_int32 * 1)()
+        fn(*[t.data_ptr() for t in tensors], ctypes.addressof(flag), *extra)
         if flag[0]:
             flag[0] = 0
             raise IndexOutOfRange(name)

@@ -5,6 +5,7 @@ the only code that imports triton."""
 from __future__ import annotations
 
 import functools
+import threading
 
 from egraph_compiler.errors import IndexOutOfRange
 
@@ -82,10 +83,13 @@ def checked(run, name: str):
     """A kernel with gathers: its error flag (one per device) passed after its tensors; on CPU
     tensors (the interpreter, where device asserts do nothing) it is read after the launch."""
     import torch
-    flags: dict = {}
+    local = threading.local()  # (per thread, as cpp_load's flags: one thread must not read another's)
 
     def call(*tensors):
         device = tensors[0].device
+        flags = getattr(local, "flags", None)
+        if flags is None:
+            flags = local.flags = {}
         flag = flags.get(device)
         if flag is None:
             flag = flags[device] = torch.zeros(1, dtype=torch.int32, device=device)

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import egraph_compiler as egc
+from concurrency import in_threads
 from egraph_compiler.errors import IndexOutOfRange
 
 TARGETS = ["cpu", "triton"]
@@ -162,3 +163,34 @@ def test_index_select_along_any_dim_and_roll_are_gathers(target):
             fn(x, torch.tensor(bad))
         with pytest.raises(IndexError):
             compiled(x, torch.tensor(bad))
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_threads_each_see_their_own_index_errors(target):
+    """ctypes lets go of the GIL while a C++ kernel runs, and the gather's error flag was one per
+    kernel: a thread with ids in range could read and clear the flag another thread's bad id had
+    set, so one call raised for nothing and the other returned rows it never read.  Flags are per
+    thread (cpp_load._checked; triton_launch.checked the same)."""
+    torch.manual_seed(0)
+    good = [torch.randint(0, 500, (64, 256)), torch.randn(500, 64), torch.randn(256, 64), torch.randn(64),
+            torch.randn(64)]
+    bad = [good[0].clone()] + good[1:]
+    bad[0][5, 7] = 500
+    compiled = egc.compile(token_and_position, good, target=target)
+    want = token_and_position(*good)
+    anomalies = []
+
+    def calls(args, expect_error):
+        for _ in range(40 if target == "cpu" else 4):
+            try:
+                got = compiled(*args)
+            except IndexError:
+                if not expect_error:
+                    anomalies.append("raised for ids in range")
+                continue
+            if expect_error:
+                anomalies.append("returned for an id out of range")
+            elif not torch.allclose(got, want, atol=1e-5):
+                anomalies.append("wrong values")
+    in_threads(calls, [(a, a is bad) for a in (good, bad) * 2])
+    assert not anomalies, anomalies[:5]

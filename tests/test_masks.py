@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import egraph_compiler as egc
+from concurrency import in_threads
 from egraph_compiler import flash, library, masks
 
 
@@ -153,24 +154,9 @@ def test_threads_calling_one_program_get_their_own_masks_dead_rows():
             if not torch.allclose(got, want, atol=1e-4, equal_nan=True):
                 wrong.append(mask is dead_rows)
     runs = [(m,) for m in (open_mask, dead_rows) * 2]
-    _in_threads(calls, runs)
+    in_threads(calls, runs)
     assert not wrong, f"{len(wrong)} wrong results of {60 * len(runs)}"
 
-
-def _in_threads(fn, arguments: list) -> None:
-    """fn(*a) for each a in its own thread, all at once, switching between any two steps."""
-    import sys
-    import threading
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    try:
-        threads = [threading.Thread(target=fn, args=a) for a in arguments]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    finally:
-        sys.setswitchinterval(interval)
 
 
 def test_attention_math_fallbacks_in_threads_leave_torchs_kernel_choice_alone():
@@ -199,7 +185,7 @@ def test_attention_math_fallbacks_in_threads_leave_torchs_kernel_choice_alone():
                 library.sdpa([q, k, v, mask], {"scale": 0.3, "causal": False})
         except Exception as exc:  # (a failure in a thread is not the test's unless kept)
             errors.append(exc)
-    _in_threads(calls, [()] * 4)
+    in_threads(calls, [()] * 4)
     assert not errors, errors
     assert (torch._C._get_flash_sdp_enabled(), torch._C._get_math_sdp_enabled(),
             torch._C._get_mem_efficient_sdp_enabled()) == flags
