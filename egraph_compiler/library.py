@@ -80,11 +80,7 @@ def sdpa(t, a, prepared: bool = False):
     expand = _expansions(q.shape, k.shape, v.shape, mask.shape if mask is not None else None, grouped)
     q, k, v = (x if shape is None else x.expand(shape) for x, shape in zip((q, k, v), expand))
 
-    def call(q, k, v, math=False):
-        if math:
-            return math_attention(q, k, v, mask, a["causal"], a["scale"], grouped)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=a["causal"], scale=a["scale"],
-                                              enable_gqa=grouped)
+    call = _caller(mask, a["causal"], a["scale"], grouped)
     if k.shape[-2] == 0:  # no keys: each row's weights are empty and its sum 0 (torch's CPU kernel returns
         heads = q.shape[-3:-2] if grouped else ()  # q's batch then, not the broadcast one: soak, seed 9323)
         batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:len(k.shape) - 2 - len(heads)] + heads,
@@ -143,7 +139,6 @@ def attention(shapes: list, a: dict, cuda: bool):
         return lambda t: sdpa(t, a)
     expand = _expansions(qs, ks, vs, shapes[3] if masked else None, grouped)
     causal, scale = a["causal"], a["scale"]
-    sdpa_ = F.scaled_dot_product_attention
 
     def run(t):
         q, k, v = t[0], t[1], t[2]
@@ -156,10 +151,7 @@ def attention(shapes: list, a: dict, cuda: bool):
             k = k.expand(expand[1])
         if expand[2]:
             v = v.expand(expand[2])
-        def call(q, k, v, math=False):
-            if math:
-                return math_attention(q, k, v, mask, causal, scale, grouped)
-            return sdpa_(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=grouped)
+        call = _caller(mask, causal, scale, grouped)
         return on_cuda(call, q, k, v) if cuda else on_cpu(call, q, k, v, mask, causal, scale, grouped)
     return run
 
@@ -222,6 +214,16 @@ def on_cuda(call, q, k, v):
         return call(q, k, v, math=True)
 
 
+def _caller(mask, causal: bool, scale, grouped: bool):
+    """sdpa of (q, k, v) with these arguments; `math=True`: torch's math kernel (math_attention)."""
+    def call(q, k, v, math=False):
+        if math:
+            return math_attention(q, k, v, mask, causal, scale, grouped)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
+                                              enable_gqa=grouped)
+    return call
+
+
 def math_attention(q, k, v, mask, causal: bool, scale, grouped: bool):
     """torch's math kernel for sdpa, called directly.  `sdpa_kernel(MATH)` sets process-wide
     flags: two threads' contexts interleaving (A enters, B enters and saves A's MATH-only, A
@@ -259,11 +261,7 @@ def grouped_queries(q, k, v, group_mask, scale):
     kv_heads = k.shape[-3]
     flat = q.reshape(b, kv_heads, heads // kv_heads * rows, d)
 
-    def call(q, k, v, math=False):
-        if math:
-            return math_attention(q, k, v, group_mask, False, scale, False)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=group_mask, scale=scale)
-    return on_cuda(call, flat, k, v).reshape(b, heads, rows, v.shape[-1])
+    return on_cuda(_caller(group_mask, False, scale, False), flat, k, v).reshape(b, heads, rows, v.shape[-1])
 
 
 def fused_kernel_mask(mask, keys: int, dtype):

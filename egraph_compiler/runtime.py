@@ -8,6 +8,7 @@ torch on views of the same buffers.  Buffers live on the target's device.
 from __future__ import annotations
 
 import threading
+
 import torch
 from torch.utils import _pytree as pytree
 

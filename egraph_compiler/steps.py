@@ -64,8 +64,8 @@ class TorchSteps:
     def memo(self) -> dict:
         """The values this thread's run shares between its steps (a mask converted once for the
         layers that read it, one attention call's two results).  The runtime starts a fresh one
-        per run.  Per thread: one dict for all made two threads' runs of a program read each
-        other's values (a mask's dead rows taken from the other thread's mask: wrong results)."""
+        per run.  Per thread: with one dict per program, two threads' runs read each other's
+        values (a mask's dead rows taken from the other thread's mask: wrong results)."""
         memo = getattr(self._runs, "memo", None)
         if memo is None:  # (a thread's first step outside a run: timing a step alone)
             memo = self._runs.memo = {}
