@@ -307,4 +307,5 @@ def make_target(name: str, device: str) -> Target:
                 "target='triton' runs kernels on CPU tensors in Triton's interpreter, and triton was imported "
                 "in this process without it: set TRITON_INTERPRET=1 in the environment before starting Python")
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    return replace(TABLE, name=name, device=device)
+    from .triton_build import start_workers
+    return replace(TABLE, name=name, device=device, prepare=start_workers if device == "cuda" else None)

@@ -1,6 +1,6 @@
 """Compiling rendered Triton modules ahead of their first launch: for this
-machine's GPU in child processes (`warm_in_parallel`, as Inductor's compile
-workers do), or for another GPU on a machine without one (`compile_for_gpu`,
+machine's GPU in compile workers (`warm_in_parallel`; triton_workers.py, as Inductor's
+compile workers do), or for another GPU on a machine without one (`compile_for_gpu`,
 how CI checks that what the interpreter runs, a GPU's compiler accepts).
 Kernels compile with the options their launches use (`triton.launch_options`)."""
 from __future__ import annotations
@@ -17,44 +17,42 @@ from . import triton_tune
 from .triton import _Kernel
 from .triton_load import _import, _module_path, kernel_functions, launch_options, share_triton_cache, size_params
 
-WARM_MIN_KERNELS = 8  # fewer kernels compile faster in this process than a child Python starts
-WORKERS_ENV = "EGC_COMPILE_WORKERS"  # child processes that compile a module's kernels (0: none); default 8
+WARM_MIN_KERNELS = 8  # fewer kernels compile about as fast in this process as in the workers
 
 
-def warm_in_parallel(source: str, kernels: list[LoopKernel], tune: bool = False, sizes: dict | None = None) -> None:
-    """Compile a module's kernels for this machine's GPU in child processes
-    (as Inductor's compile workers do): each child runs `warmup` on its share,
-    which stores the binaries in Triton's on-disk cache, where this process's
-    first launch finds them (`tune`: every candidate configuration; `sizes`: a template's
-    (name, value) size arguments per function, compiled for their values' class).  Best effort: a kernel a child did not compile is
-    compiled at its first launch, as before (errors surface there)."""
+def start_workers() -> None:
+    """Start this process's compile workers (triton_workers.py) while the e-graph works."""
+    from .triton_launch import gpu_target
+    from .triton_workers import count, start
+    if count() > 0 and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        share_triton_cache()  # (the workers take its cache manager from the environment)
+        start(gpu_target())
+
+
+def warm_in_parallel(source: str, kernels: list[LoopKernel], tune: bool = False,
+                     sizes: dict | None = None) -> tuple[int, int]:
+    """Compile a module's kernels for this machine's GPU in this process's compile workers
+    (triton_workers.py): each runs `warmup` on its share, which stores the binaries in
+    Triton's on-disk cache, where this process's first launch finds them (`tune`: every
+    candidate configuration; `sizes`: a template's (name, value) size arguments per
+    function, compiled for their values' class).  Returns (compiled, failed) as the
+    workers counted them.  Best effort: a kernel no worker compiled is compiled at its
+    first launch, as before (errors surface there)."""
+    from .triton_launch import gpu_target
+    from .triton_workers import discard, start
     path = _module_path(source)
     specs = [(name, [dtype for _, dtype in params], launch_options(k, shape))  # (each candidate, where tuned)
              for k in kernels if f"def {k.name}(" in source  # (a repeated kernel runs another's code)
              for shape in triton_tune.to_compile(_Kernel(k), tune)
              for name, params in kernel_functions(k, shape, sizes)]
-    workers = min(int(os.environ.get(WORKERS_ENV, "8")), os.cpu_count() or 1, -(-len(specs) // 4))
-    children = [subprocess.Popen([sys.executable, "-c", _WARM, str(path), json.dumps(specs[i::workers])],
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for i in range(workers)]
-    for child in children:
-        child.wait()
-
-
-_WARM = """
-import importlib.util, json, sys
-import torch
-path, specs = sys.argv[1], json.loads(sys.argv[2])
-spec = importlib.util.spec_from_file_location("egc_warm", path)
-module = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = module
-spec.loader.exec_module(module)
-for name, dtypes, options in specs:
+    pool = start(gpu_target())
+    if pool is None or not specs:
+        return 0, 0
     try:
-        getattr(module, name).warmup(*[getattr(torch, d) if isinstance(d, str) else d for d in dtypes],
-                                     grid=(1,), **options)
-    except Exception:
-        pass
-"""
+        return pool.compile(str(path), specs, -(-len(specs) // 4))
+    except (OSError, ValueError):  # (a worker died: the kernels compile at their first launch)
+        discard(pool)
+        return 0, len(specs)
 
 
 SIGNATURE = {"float32": "*fp32", "float16": "*fp16", "bfloat16": "*bf16", "bool": "*i1", "int64": "*i64",

@@ -70,6 +70,12 @@ def _driver():
     return driver.active
 
 
+def gpu_target() -> tuple:
+    """This process's GPU as Triton compiles for it: (backend, architecture, warp size)."""
+    target = _driver().get_current_target()
+    return target.backend, target.arch, target.warp_size
+
+
 @functools.cache
 def has_option(name: str) -> bool:
     try:

@@ -48,7 +48,7 @@ def load_module(source: str, kernels: list[LoopKernel], autotune: bool = False, 
     sizes in a template's build (each kernel passes those it reads, `size_params`)."""
     from . import triton_split, triton_tune
     from .triton import _Kernel
-    from .triton_build import WARM_MIN_KERNELS, WORKERS_ENV, warm_in_parallel
+    from .triton_build import WARM_MIN_KERNELS, warm_in_parallel
     from .triton_launch import checked, direct
     share_triton_cache()
     path = _module_path(source)
@@ -61,8 +61,7 @@ def load_module(source: str, kernels: list[LoopKernel], autotune: bool = False, 
     classes = (path, tuple(specialisation(s) for s in sizes or ()))
     if (sizes is not None and classes not in _WARMED) or compiled_now:  # (a template, sizes of a new class)
         _WARMED.add(classes)
-        if (len(kernels) >= WARM_MIN_KERNELS and os.environ.get(WORKERS_ENV, "8") != "0"
-                and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")):
+        if len(kernels) >= WARM_MIN_KERNELS and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
             warm_in_parallel(source, kernels, tune, named)
         compiled_now = True
     calls = {}

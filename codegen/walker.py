@@ -37,6 +37,7 @@ class Target:
     load: Callable = None
     tunes: bool = False  # its load takes `autotune=` (launch configurations timed at the first launch)
     sized: object = None  # codegen.sizes.Sized: its kernels can take sizes as arguments (load's `sizes=`)
+    prepare: Callable = None  # starts, while the e-graph works, what loading will need (Triton: compile workers)
 
     def generates(self, dtype: str) -> bool:
         return dtype in self.dtypes

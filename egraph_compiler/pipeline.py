@@ -88,6 +88,8 @@ class Levels:
 def run_pipeline(fn, example_inputs, options: Options):
     """Returns (executable, plan, report, levels)."""
     target = _target(options.target, example_inputs)
+    if target.prepare is not None:
+        target.prepare()
     levels = Levels()
     graph, eclasses, report, rules = build_egraph(fn, example_inputs, options, levels)
 

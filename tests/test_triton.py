@@ -1,7 +1,6 @@
 """The Triton renderer, run on CPU tensors under Triton's interpreter
 (`target="triton"`): every kernel kind, the seven workloads at test sizes,
 and half-precision storage."""
-import json
 
 import pytest
 import torch
@@ -259,7 +258,7 @@ def test_warm_up_children_compile_each_kernel_text_once(monkeypatch):
     """A repeated layer's kernels render once (walker.unique_kernels): the warm-up children
     (triton_build.warm_in_parallel) are handed only functions the module defines, each once
     (they had been handed the repeats too, which failed in the children)."""
-    from egraph_compiler.codegen import triton_build
+    from egraph_compiler.codegen import triton_build, triton_launch, triton_workers
 
     def f(x, w):
         for _ in range(4):
@@ -272,12 +271,52 @@ def test_warm_up_children_compile_each_kernel_text_once(monkeypatch):
     assert len(defined) < len(names), compiled.source  # (the repeats exist: the check below means something)
     handed = []
 
-    class Child:
-        def __init__(self, argv, **_):
-            handed.extend(name for name, _, _ in json.loads(argv[-1]))
-
-        def wait(self):
-            return 0
-    monkeypatch.setattr(triton_build.subprocess, "Popen", Child)
+    class Pool:
+        def compile(self, path, specs, spread):
+            handed.extend(name for name, _, _ in specs)
+            return len(specs), 0
+    monkeypatch.setattr(triton_workers, "start", lambda target: Pool())
+    monkeypatch.setattr(triton_launch, "gpu_target", lambda: ("cuda", 90, 32))
     triton_build.warm_in_parallel(compiled.source, compiled.loop_kernels)
     assert sorted(handed) == sorted(defined), (handed, defined)
+
+
+def test_compile_workers_live_across_modules_and_compile_for_the_gpu_named(monkeypatch, tmp_path):
+    """The compile workers (codegen/triton_workers.py) start once per process and serve every
+    module after it; they compile for the parent's GPU without asking CUDA, so here, without
+    a GPU, they compile for the sm_90 they are told of, into the Triton cache they are handed
+    with each request.  A dead worker costs the next request nothing but its warm-up (the
+    kernels compile at their first launch), and the request after that gets new workers."""
+    from egraph_compiler.codegen import triton_build, triton_launch, triton_workers
+    monkeypatch.setattr(triton_launch, "gpu_target", lambda: ("cuda", 90, 32))
+    monkeypatch.setattr(triton_workers, "_POOL", [None])
+    monkeypatch.setenv("EGC_COMPILE_WORKERS", "2")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    triton_build.start_workers()  # (what a compile for a GPU does first)
+    pool = triton_workers._POOL[0]
+    assert pool is not None and len(pool.children) == 2
+    try:
+        modules = []
+        for n in (1, 2):
+            def f(x, w, n=n):
+                for i in range(n):
+                    x = torch.softmax(x @ w, -1) * (2.0 + i) - x.sum(-1, keepdim=True)
+                return x.relu()
+            x, w = torch.randn(8, 16), torch.randn(16, 16)
+            modules.append(egc.compile(f, [x, w], target="triton"))
+        for i, compiled in enumerate(modules):
+            monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / f"cache{i}"))
+            defined = [k for k in compiled.loop_kernels if f"def {k.name}(" in compiled.source]
+            assert triton_build.warm_in_parallel(compiled.source, compiled.loop_kernels) == (len(defined), 0)
+            assert triton_workers._POOL[0] is pool
+            assert len(list((tmp_path / f"cache{i}").iterdir())) >= len(defined)  # (each kernel's cubin and more)
+        pool.children[0].kill()
+        pool.children[0].wait()
+        compiled = modules[1]
+        defined = [k for k in compiled.loop_kernels if f"def {k.name}(" in compiled.source]
+        assert triton_build.warm_in_parallel(compiled.source, compiled.loop_kernels, tune=True)[0] == 0
+        assert triton_workers._POOL[0] is None
+        assert triton_build.warm_in_parallel(compiled.source, compiled.loop_kernels) == (len(defined), 0)
+    finally:
+        if triton_workers._POOL[0] is not None:
+            triton_workers._POOL[0].close()

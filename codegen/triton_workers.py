@@ -1,0 +1,179 @@
+"""Compile workers that live as long as this process (as Inductor's do): child Pythons
+that import torch and Triton once, then compile the kernels each module hands them
+(`triton_build.warm_in_parallel`) into Triton's on-disk cache, where this process's
+first launch finds them.  A one-shot child spent ~4 s starting and ~1.5 s on its first
+kernel, against ~0.15 s a kernel after that (BENCHMARKS.md, H100); `start` runs when a
+compile for the GPU begins, so that start-up overlaps the e-graph's work.
+
+The children never touch the GPU: Triton's driver in them answers with the parent's
+target (architecture, warp size) instead of asking CUDA, so no CUDA context is held
+by an idle worker (and on a machine without a GPU, they compile for the one named).  Each request carries the parent's TRITON_* environment, whose
+variables are part of Triton's cache key.  Best effort throughout: a worker that dies
+or answers nonsense is dropped, and a kernel no worker compiled is compiled at its
+first launch, as without workers."""
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import subprocess
+import sys
+import threading
+
+from egraph_compiler.cache import cache_dir
+
+WORKERS_ENV = "EGC_COMPILE_WORKERS"  # how many (0: none); default 8, at most the CPUs
+
+
+def count() -> int:
+    return min(int(os.environ.get(WORKERS_ENV, "8")), os.cpu_count() or 1)
+
+
+class Workers:
+    """A fixed set of children serving one request at a time (a lock: threads take turns)."""
+
+    def __init__(self, size: int, target: tuple):
+        prewarm = cache_dir() / "egc_triton_prewarm.py"
+        if not prewarm.exists() or prewarm.read_text() != PREWARM:
+            tmp = prewarm.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(PREWARM)
+            os.replace(tmp, prewarm)
+        self.pid = os.getpid()  # (a forked process starts its own: these pipes are its parent's)
+        self.lock = threading.Lock()
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # (compiled, not interpreted)
+        self.children = [subprocess.Popen([sys.executable, "-c", _SERVE, json.dumps(target), str(prewarm)],
+                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                          stderr=subprocess.DEVNULL, text=True, bufsize=1, env=env)
+                         for _ in range(size)]
+
+    def compile(self, path: str, specs: list, spread: int) -> tuple[int, int]:
+        """Hand `specs` (function name, argument dtypes, launch options) of the module at `path`
+        to `spread` children; returns (compiled, failed) as the children counted them."""
+        with self.lock:
+            busy = self.children[:max(1, min(spread, len(self.children)))]
+            env = {k: v for k, v in os.environ.items() if k.startswith("TRITON_") and k != "TRITON_INTERPRET"}
+            for i, child in enumerate(busy):
+                child.stdin.write(json.dumps([path, specs[i::len(busy)], env]) + "\n")
+                child.stdin.flush()
+            done = [0, 0]
+            for child in busy:
+                answer = child.stdout.readline().split()
+                while answer[:1] == ["ready"]:  # (its start-up, once)
+                    answer = child.stdout.readline().split()
+                if answer[:1] != ["done"] or len(answer) != 3:
+                    raise OSError(f"compile worker {child.pid} answered {answer!r}")
+                done[0] += int(answer[1])
+                done[1] += int(answer[2])
+            return done[0], done[1]
+
+    def close(self) -> None:
+        for child in self.children:
+            try:
+                child.stdin.close()  # (a child exits at the end of its input)
+            except OSError:
+                pass
+        for child in self.children:
+            try:
+                child.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                child.kill()
+
+
+_POOL: list = [None]
+_START = threading.Lock()
+
+
+def start(target: tuple) -> Workers | None:
+    """This process's workers, started on the first call (`target`: the GPU's
+    (backend, architecture, warp size), which the children compile for)."""
+    with _START:
+        pool = _POOL[0]
+        if pool is not None and pool.pid == os.getpid():
+            return pool
+        if count() <= 0:
+            return None
+        _POOL[0] = Workers(count(), target)
+        return _POOL[0]
+
+
+def discard(pool: Workers) -> None:
+    """Stop a pool that failed (the next `start` makes another)."""
+    with _START:
+        if _POOL[0] is pool:
+            _POOL[0] = None
+    pool.close()
+
+
+@atexit.register
+def _close() -> None:
+    pool = _POOL[0]
+    if pool is not None and pool.pid == os.getpid():
+        pool.close()
+
+
+PREWARM = """import triton
+import triton.language as tl
+
+
+@triton.jit
+def egc_prewarm(x, y, n, XBLOCK: tl.constexpr):
+    i = tl.program_id(0) * XBLOCK + tl.arange(0, XBLOCK)
+    v = tl.load(x + i, mask=i < n, other=0.0)
+    tl.store(y + i, tl.exp(v) / tl.sum(v, 0), mask=i < n)
+"""
+
+_SERVE = """
+import importlib.util, json, os, sys
+(backend, arch, warp), prewarm = json.loads(sys.argv[1]), sys.argv[2]
+import torch
+from triton.backends.compiler import GPUTarget
+from triton.runtime import driver
+class Offline:  # the parent's GPU, for a machine whose Triton has no GPU driver (CI)
+    def get_current_target(self):
+        return GPUTarget(backend, arch, warp)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+try:  # the parent's GPU, without a CUDA context here
+    active = driver.active
+    active.get_current_target, active.get_current_device, active.get_current_stream = (
+        Offline().get_current_target, Offline().get_current_device, Offline().get_current_stream)
+except Exception:
+    driver.set_active(Offline())
+try:  # a first kernel costs a Triton process ~1.5 s more than the next: paid while the parent saturates
+    spec = importlib.util.spec_from_file_location("egc_prewarm", prewarm)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    module.egc_prewarm.warmup(torch.float32, torch.float32, 8, XBLOCK=128, grid=(1,))
+except Exception:
+    pass
+print("ready", flush=True)
+modules = {}
+for line in sys.stdin:
+    path, specs, env = json.loads(line)
+    for key in [k for k in os.environ if k.startswith("TRITON_") and k not in env]:
+        del os.environ[key]
+    os.environ.update(env)
+    compiled = failed = 0
+    try:
+        if path not in modules:
+            spec = importlib.util.spec_from_file_location(f"egc_warm_{len(modules)}", path)
+            modules[path] = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = modules[path]
+            spec.loader.exec_module(modules[path])
+        module = modules[path]
+    except Exception:
+        module, failed = None, len(specs)
+    for name, dtypes, options in specs if module is not None else ():
+        try:
+            getattr(module, name).warmup(*[getattr(torch, d) if isinstance(d, str) else d for d in dtypes],
+                                         grid=(1,), **options)
+            compiled += 1
+        except Exception:
+            failed += 1
+    print("done", compiled, failed, flush=True)
+"""
