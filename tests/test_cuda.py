@@ -455,30 +455,30 @@ def test_compile_workers_fill_the_cache_the_first_launches_read(monkeypatch, tmp
     """A compile for the GPU starts the compile workers (codegen/triton_workers.py) before its
     e-graph work; they compile every kernel of the module into Triton's cache, so the program's
     first call compiles nothing more (the cache holds as many kernels after it as before), and
-    an idle worker holds no CUDA context (nvidia-smi lists this process alone)."""
-    import shutil
-    import subprocess
-    from egraph_compiler.codegen import triton_workers
+    the workers hold no CUDA context (eight would take some 4 GB of the GPU's memory)."""
+    from egraph_compiler.codegen import triton_launch, triton_workers
+    from egraph_compiler.codegen.triton_build import WARM_MIN_KERNELS
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
     monkeypatch.setenv("EGC_CACHE_DIR", str(tmp_path / "egc"))
+    monkeypatch.setattr(triton_workers, "_POOL", [None])
+    torch.cuda.synchronize()
+    free = torch.cuda.mem_get_info()[0]
+    pool = triton_workers.start(triton_launch.gpu_target())
+    assert pool.compile("", [], len(pool.children)) == (0, 0)  # (when each has started and prewarmed)
+    assert free - torch.cuda.mem_get_info()[0] < 2 ** 27, (free, torch.cuda.mem_get_info())
 
-    def f(x, w):
-        for i in range(6):
-            x = torch.softmax(x @ w, -1) * (2.0 + i) - F.layer_norm(x, x.shape[-1:]).relu() * x.sum(-1, keepdim=True)
+    def f(x, w):  # (nine layers of distinct kernels)
+        for act in (torch.relu, torch.sigmoid, torch.tanh, F.gelu, F.silu, torch.abs, torch.neg, torch.square, torch.cos):
+            x = F.layer_norm(torch.softmax(x @ w, -1) * 4.0 + act(x), x.shape[-1:])
         return x
     x, w = torch.randn(64, 96, device="cuda"), torch.randn(96, 96, device="cuda")
     compiled = egc.compile(f, [x, w])
     defined = [k for k in compiled.loop_kernels if f"def {k.name}(" in compiled.source]
-    assert len(defined) >= 8, compiled.plan  # (fewer compile in this process: the check below needs workers)
-    pool = triton_workers._POOL[0]
-    assert pool is not None and all(child.poll() is None for child in pool.children)
+    assert len(defined) >= WARM_MIN_KERNELS, compiled.plan  # (fewer compile in this process, without workers)
+    assert triton_workers._POOL[0] is pool and all(child.poll() is None for child in pool.children)
     before = sorted(p.parent.name for p in (tmp_path / "triton").glob("*/*.cubin"))
     assert len(before) >= len(defined)
-    torch.testing.assert_close(compiled(x, w), f(x, w), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(compiled(x, w), f(x, w), rtol=1e-3, atol=1e-3)
     torch.cuda.synchronize()
     assert sorted(p.parent.name for p in (tmp_path / "triton").glob("*/*.cubin")) == before
-    if shutil.which("nvidia-smi") is None:
-        pytest.skip("no nvidia-smi to list the GPU's processes")
-    listed = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
-                            capture_output=True, text=True).stdout.split()
-    assert not {str(child.pid) for child in pool.children} & set(listed), listed
+    pool.close()
