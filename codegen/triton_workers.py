@@ -104,6 +104,23 @@ def discard(pool: Workers) -> None:
     pool.close()
 
 
+def _forked() -> None:
+    """A forked process (a DataLoader's worker) lets go of its parent's workers: its copies of
+    their pipes would keep them alive after the parent exits, and a lock may have been held."""
+    global _START
+    _START = threading.Lock()
+    pool, _POOL[0] = _POOL[0], None
+    for child in pool.children if pool is not None else ():
+        for pipe in (child.stdin, child.stdout):
+            try:
+                pipe.close()
+            except (OSError, ValueError):
+                pass
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
 @atexit.register
 def _close() -> None:
     pool = _POOL[0]

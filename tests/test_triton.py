@@ -320,3 +320,27 @@ def test_compile_workers_live_across_modules_and_compile_for_the_gpu_named(monke
     finally:
         if triton_workers._POOL[0] is not None:
             triton_workers._POOL[0].close()
+
+
+def test_a_forked_process_lets_go_of_its_parents_compile_workers(monkeypatch):
+    """A process forked after the workers started (a DataLoader's worker) starts none and
+    holds none of their pipes: the workers end when the parent closes them, child alive."""
+    import os
+    import time
+    from egraph_compiler.codegen import triton_workers
+    monkeypatch.setattr(triton_workers, "_POOL", [None])
+    monkeypatch.setenv("EGC_COMPILE_WORKERS", "1")
+    pool = triton_workers.start(("cuda", 90, 32))
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # (the forked process: report, then outlive the parent's close)
+        os.write(write, b"%d" % (triton_workers._POOL[0] is None))
+        time.sleep(30)
+        os._exit(0)
+    try:
+        assert os.read(read, 1) == b"1"
+        pool.close()
+        assert pool.children[0].wait(timeout=20) == 0  # (it saw the end of its input; not killed)
+    finally:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
