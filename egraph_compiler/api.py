@@ -12,7 +12,7 @@ import torch
 from .symbolic import Symbolic, bind_sizes, constants, scalar_slots
 from .capture import with_ambient_autocast
 from .errors import InputError, OptionError
-from .pipeline import REPORT_ENV, Levels, Options, run_pipeline
+from .pipeline import REPORT_ENV, Levels, Options, prepare, run_pipeline
 
 
 class CompiledFunction:
@@ -237,6 +237,7 @@ def dynamo_backend(gm, example_inputs, **kwargs):
         kwargs["cuda_graphs"] = True  # as Inductor's modes do: CUDA graphs on the cuda target
     if mode == "max-autotune" and "autotune" not in kwargs:
         kwargs["autotune"] = True
+    prepare(kwargs.get("target"), example_inputs)  # (the compile workers start while AOTAutograd traces)
     if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs):
         from .training import training_backend  # AOTAutograd: forward and backward graphs, each compiled
         return training_backend(gm, example_inputs,

@@ -88,8 +88,7 @@ class Levels:
 def run_pipeline(fn, example_inputs, options: Options):
     """Returns (executable, plan, report, levels)."""
     target = _target(options.target, example_inputs)
-    if target.prepare is not None:
-        target.prepare()
+    prepare(target)
     levels = Levels()
     graph, eclasses, report, rules = build_egraph(fn, example_inputs, options, levels)
 
@@ -178,6 +177,20 @@ def _new_session(rules, present: set[str]) -> EgglogSession:
     session.run(encode.declarations())
     saturate.install_rules(session, rules, present)  # (fusions only for ops the program can come to hold)
     return session
+
+
+def prepare(target, example_inputs=()) -> None:
+    """Start what loading for the target will need (Triton on a GPU: its compile workers),
+    as early as the caller knows it (a target's name is read with the example inputs; one
+    that names no target, or names it wrongly, prepares nothing: the compile reports it)."""
+    if isinstance(target, str) or target is None:
+        tensors = [x for x in example_inputs if hasattr(x, "device")]  # (not a SymInt)
+        try:
+            target = _target(target, tensors)
+        except EgraphCompilerError:
+            return
+    if target.prepare is not None:
+        target.prepare()
 
 
 def _target(name: str | None, example_inputs):

@@ -344,3 +344,34 @@ def test_a_forked_process_lets_go_of_its_parents_compile_workers(monkeypatch):
     finally:
         os.kill(pid, 9)
         os.waitpid(pid, 0)
+
+
+def test_a_compile_for_the_gpu_starts_the_workers_before_its_capture(monkeypatch):
+    """`torch.compile(backend="egraph")` on GPU inputs starts the compile workers when Dynamo
+    hands the graph over (before AOTAutograd traces it), not when the first kernels are ready;
+    CPU inputs, the interpreter's target or a wrong target name start nothing."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from egraph_compiler import api, pipeline
+    from egraph_compiler.codegen import triton_build
+    started = []
+    monkeypatch.setattr(triton_build, "start_workers", lambda: started.append(1))
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        on_gpu = torch.empty(2, 3, device="cuda")
+    for name, inputs in [(None, [torch.zeros(2)]), ("triton", [torch.zeros(2)]), ("cudaa", [on_gpu]),
+                         ("cpu", [on_gpu])]:
+        pipeline.prepare(name, inputs)
+    assert started == []
+    pipeline.prepare(None, [on_gpu, 3])
+    pipeline.prepare("cuda", [on_gpu])
+    assert started == [1, 1]
+
+    class Prepared(Exception):
+        pass
+
+    def prepare(name, inputs):
+        started.append((name, inputs))
+        raise Prepared
+    monkeypatch.setattr(api, "prepare", prepare)
+    with pytest.raises(Prepared):  # (Dynamo's graph, before anything else is done with it)
+        api.dynamo_backend(torch.fx.symbolic_trace(lambda x: x * 2), [on_gpu], options={"target": "cuda"})
+    assert started[2:] == [("cuda", [on_gpu])]
