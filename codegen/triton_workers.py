@@ -21,12 +21,17 @@ import sys
 import threading
 
 from egraph_compiler.cache import cache_dir
+from egraph_compiler.errors import OptionError
 
 WORKERS_ENV = "EGC_COMPILE_WORKERS"  # how many (0: none); default 8, at most the CPUs
 
 
 def count() -> int:
-    return min(int(os.environ.get(WORKERS_ENV, "8")), os.cpu_count() or 1)
+    text = (os.environ.get(WORKERS_ENV) or "8").strip()  # (set but empty: the default)
+    if not text.isdigit():
+        raise OptionError(f"{WORKERS_ENV}={text!r}: expected how many compile workers to start, "
+                          f"a whole number (0: none, each kernel compiles at its first launch)")
+    return min(int(text), os.cpu_count() or 1)
 
 
 class Workers:

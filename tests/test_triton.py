@@ -375,3 +375,14 @@ def test_a_compile_for_the_gpu_starts_the_workers_before_its_capture(monkeypatch
     with pytest.raises(Prepared):  # (Dynamo's graph, before anything else is done with it)
         api.dynamo_backend(torch.fx.symbolic_trace(lambda x: x * 2), [on_gpu], options={"target": "cuda"})
     assert started[2:] == [("cuda", [on_gpu])]
+
+
+@pytest.mark.parametrize("value", ["eight", "-1", "2.5"])
+def test_a_mistyped_worker_count_is_a_clear_error(monkeypatch, value):
+    """EGC_COMPILE_WORKERS that is not a whole number is named in an OptionError (it had been a
+    ValueError from int() deep inside the first GPU compile)."""
+    from egraph_compiler.codegen import triton_workers
+    from egraph_compiler.errors import OptionError
+    monkeypatch.setenv("EGC_COMPILE_WORKERS", value)
+    with pytest.raises(OptionError, match="EGC_COMPILE_WORKERS=.*whole number"):
+        triton_workers.count()
