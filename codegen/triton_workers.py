@@ -6,11 +6,11 @@ kernel, against ~0.15 s a kernel after that (BENCHMARKS.md, H100); `start` runs 
 compile for the GPU begins, so that start-up overlaps the e-graph's work.
 
 The children never touch the GPU: Triton's driver in them answers with the parent's
-target (architecture, warp size) instead of asking CUDA, so no CUDA context is held
-by an idle worker (and on a machine without a GPU, they compile for the one named).  Each request carries the parent's TRITON_* environment, whose
-variables are part of Triton's cache key.  Best effort throughout: a worker that dies
-or answers nonsense is dropped, and a kernel no worker compiled is compiled at its
-first launch, as without workers."""
+target (architecture, warp size) instead of asking CUDA, so no worker holds a CUDA
+context (on a machine without a GPU, they compile for the one named).  Each request
+carries the parent's TRITON_* environment, whose variables are part of Triton's cache
+key.  Best effort throughout: workers that cannot start, or one that dies or answers
+nonsense, leave the kernels to compile at their first launch, as without workers."""
 from __future__ import annotations
 
 import atexit
@@ -97,7 +97,10 @@ def start(target: tuple) -> Workers | None:
             return pool
         if count() <= 0:
             return None
-        _POOL[0] = Workers(count(), target)
+        try:
+            _POOL[0] = Workers(count(), target)
+        except OSError:  # (no process or file to be had: the kernels compile at their first launch)
+            return None
         return _POOL[0]
 
 

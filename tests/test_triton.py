@@ -386,3 +386,18 @@ def test_a_mistyped_worker_count_is_a_clear_error(monkeypatch, value):
     monkeypatch.setenv("EGC_COMPILE_WORKERS", value)
     with pytest.raises(OptionError, match="EGC_COMPILE_WORKERS=.*whole number"):
         triton_workers.count()
+
+
+def test_workers_that_cannot_start_leave_the_kernels_to_their_first_launch(monkeypatch):
+    """No process to be had (a container's limit) is no compile error: the kernels compile at
+    their first launch, as with no workers."""
+    from egraph_compiler.codegen import triton_build, triton_launch, triton_workers
+
+    def refuse(*args, **kwargs):
+        raise BlockingIOError(11, "Resource temporarily unavailable")
+    monkeypatch.setattr(triton_workers, "_POOL", [None])
+    monkeypatch.setattr(triton_workers.subprocess, "Popen", refuse)
+    monkeypatch.setattr(triton_launch, "gpu_target", lambda: ("cuda", 90, 32))
+    compiled = egc.compile(lambda x: torch.softmax(x, -1).relu(), [torch.randn(4, 8)], target="triton")
+    assert triton_build.warm_in_parallel(compiled.source, compiled.loop_kernels) == (0, 0)
+    assert triton_workers._POOL[0] is None
