@@ -305,9 +305,13 @@ def _kind(node: Node, body, inputs, target) -> tuple[str, str]:
         return "aten", node.attr("target").reason
     if node.group in ("library", "collective"):
         return "library", ""
-    dtypes = {n.dtype for n in body} | {i.dtype for i in inputs}
+    computed = {n.dtype for n in body}
+    dtypes = computed | {i.dtype for i in inputs}
     if not dtypes <= target.dtypes:
-        return "aten", f"dtype {', '.join(sorted(dtypes - target.dtypes))} in {target.language}"
+        missing = ", ".join(sorted(dtypes - target.dtypes))
+        if computed <= target.dtypes:  # (only an input's: a uint8 image read through a cast)
+            return "aten", f"an input of dtype {missing}, which {target.language} does not read"
+        return "aten", f"dtype {missing} in {target.language}"
     reason = _integer_reason(body) if dtypes & ops.INTEGERS else ""
     return ("aten", reason) if reason else ("generated", "")
 

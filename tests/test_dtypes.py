@@ -196,3 +196,16 @@ def test_integer_ops_outside_exact_codegen_run_through_aten(fn, reason):
         compiled = egc.compile(fn, [BIG])
     assert any(reason in f for f in compiled.plan.fallbacks), compiled.plan.fallbacks
     torch.testing.assert_close(compiled(BIG), fn(BIG), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("target", ["cpu", "triton"])
+def test_a_uint8_image_read_through_a_cast_says_the_input_is_the_reason(target):
+    """A kernel that only reads a uint8 input (an image normalised as `x.float() / 255`) runs
+    through ATen, and its reason names the input's dtype, not the kernel's own op (which is a
+    float32 sum: "sum (dtype uint8 ...)" had read as a sum in uint8)."""
+    image = torch.randint(0, 256, (3, 9), dtype=torch.uint8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        compiled = egc.compile(lambda x: (x.float() / 255).sum(-1), [image], target=target)
+    assert any("an input of dtype uint8" in f for f in compiled.plan.fallbacks), compiled.plan.fallbacks
+    torch.testing.assert_close(compiled(image), (image.float() / 255).sum(-1))
