@@ -56,7 +56,7 @@ def warm_in_parallel(source: str, kernels: list[LoopKernel], tune: bool = False,
 
 
 SIGNATURE = {"float32": "*fp32", "float16": "*fp16", "bfloat16": "*bf16", "bool": "*i1", "int64": "*i64",
-             "int32": "*i32"}
+             "int32": "*i32", "uint8": "*u8", "int8": "*i8", "int16": "*i16"}
 
 
 # bytes of shared memory one block may use, by compute capability (sm_90: 227 KB)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 TL = {"float32": "tl.float32", "float16": "tl.float16", "bfloat16": "tl.bfloat16", "bool": "tl.int1",
-      "int64": "tl.int64", "int32": "tl.int32"}
+      "int64": "tl.int64", "int32": "tl.int32", "uint8": "tl.uint8", "int8": "tl.int8", "int16": "tl.int16"}
+NARROW_READS = frozenset({"uint8", "int8", "int16"})  # read through a cast to a float only (Target.narrow_reads)
 
 SCALAR_OPS = {
     "exp": "tl.exp({0})", "log": "tl.log({0})", "tanh": "(2.0 * tl.sigmoid(2.0 * ({0})) - 1.0)",
@@ -101,6 +102,6 @@ FIELDS = dict(
     language="generated Triton", ops=SCALAR_OPS, const=_const,
     pow_special={2.0: "(({0}) * ({0}))", 0.5: "tl.sqrt({0})", 1.0: "({0})", 3.0: "(({0}) * ({0}) * ({0}))",
                  -1.0: "(1.0 / ({0}))"},
-    floordiv="//", dtypes=frozenset(TL) | {"weak"},
+    floordiv="//", dtypes=(frozenset(TL) - NARROW_READS) | {"weak"}, narrow_reads=NARROW_READS,
     dtype_names=TL, int_const=str, row="_egc_row({row}, {rows}, {err})",
 )

@@ -38,6 +38,9 @@ class Target:
     tunes: bool = False  # its load takes `autotune=` (launch configurations timed at the first launch)
     sized: object = None  # codegen.sizes.Sized: its kernels can take sizes as arguments (load's `sizes=`)
     prepare: Callable = None  # starts, while the e-graph works, what loading will need (Triton: compile workers)
+    # integer dtypes its kernels read only as an input cast to a float (a uint8 image's `.float()`):
+    # never computed on, so C++'s promotion of narrow integers to int cannot change a result
+    narrow_reads: frozenset = frozenset()
 
     def generates(self, dtype: str) -> bool:
         return dtype in self.dtypes

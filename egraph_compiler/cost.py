@@ -67,7 +67,8 @@ PROFILES = {
 }
 
 VIEW_COST = 1e-12  # layout ops are index maps; a tiny cost still prefers fewer of them
-_ITEMSIZE = {"float64": 8, "int64": 8, "float32": 4, "int32": 4, "float16": 2, "bfloat16": 2, "bool": 1}
+_ITEMSIZE = {"float64": 8, "int64": 8, "float32": 4, "int32": 4, "float16": 2, "bfloat16": 2, "bool": 1,
+             "int16": 2, "int8": 1, "uint8": 1}
 
 
 def itemsize(dtype: str) -> int:

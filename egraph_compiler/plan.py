@@ -298,6 +298,12 @@ def _integer_reason(body) -> str:
     return ""
 
 
+def _read_as_floats(body, dtypes) -> bool:
+    """Whether every read of a value of these dtypes (a kernel's inputs) is a cast to a float."""
+    return all(n.op == "cast" and n.dtype in ("float32", "float16", "bfloat16")
+               for n in body for a in n.args if a.dtype in dtypes)
+
+
 def _kind(node: Node, body, inputs, target) -> tuple[str, str]:
     """Generated where the target (its `dtypes` and `language`) handles every
     dtype the kernel touches; library calls; ATen for the rest."""
@@ -307,11 +313,14 @@ def _kind(node: Node, body, inputs, target) -> tuple[str, str]:
         return "library", ""
     computed = {n.dtype for n in body}
     dtypes = computed | {i.dtype for i in inputs}
-    if not dtypes <= target.dtypes:
-        missing = ", ".join(sorted(dtypes - target.dtypes))
-        if computed <= target.dtypes:  # (only an input's: a uint8 image read through a cast)
-            return "aten", f"an input of dtype {missing}, which {target.language} does not read"
-        return "aten", f"dtype {missing} in {target.language}"
+    missing = dtypes - target.dtypes
+    if missing and computed <= target.dtypes:  # (an input's only: a uint8 image read through a cast?)
+        if not (missing <= target.narrow_reads and _read_as_floats(body, missing)):
+            return "aten", (f"an input of dtype {', '.join(sorted(missing))}, which {target.language} reads only "
+                            f"as a cast to a float" if missing <= target.narrow_reads else
+                            f"an input of dtype {', '.join(sorted(missing))}, which {target.language} does not read")
+    elif missing:
+        return "aten", f"dtype {', '.join(sorted(missing))} in {target.language}"
     reason = _integer_reason(body) if dtypes & ops.INTEGERS else ""
     return ("aten", reason) if reason else ("generated", "")
 

@@ -198,14 +198,48 @@ def test_integer_ops_outside_exact_codegen_run_through_aten(fn, reason):
     torch.testing.assert_close(compiled(BIG), fn(BIG), atol=0, rtol=0)
 
 
+NARROW = {"uint8": (0, 256), "int8": (-128, 128), "int16": (-32768, 32768)}
+
+
 @pytest.mark.parametrize("target", ["cpu", "triton"])
-def test_a_uint8_image_read_through_a_cast_says_the_input_is_the_reason(target):
-    """A kernel that only reads a uint8 input (an image normalised as `x.float() / 255`) runs
-    through ATen, and its reason names the input's dtype, not the kernel's own op (which is a
-    float32 sum: "sum (dtype uint8 ...)" had read as a sum in uint8)."""
+@pytest.mark.parametrize("dtype", sorted(NARROW))
+def test_narrow_integer_inputs_cast_to_a_float_are_read_by_generated_code(dtype, target):
+    """An image as bytes normalised inside the model (`x.float() / 255`, per-channel mean and
+    std, a cast to bf16): uint8, int8 and int16 inputs are read by generated kernels through
+    a cast to a float, on both targets (and compile for sm_90 on the Triton one)."""
+    lo, hi = NARROW[dtype]
+    image = torch.randint(lo, hi, (2, 3, 5, 7), generator=torch.Generator().manual_seed(0)).to(getattr(torch, dtype))
+    mean, std = torch.tensor([0.2, 0.5, 0.7]).view(3, 1, 1), torch.tensor([0.3, 0.25, 0.2]).view(3, 1, 1)
+    programs = [lambda x: (x.float() / 255 - mean) / std,
+                lambda x: (x.float() / 255).sum(-1),
+                lambda x: x.to(torch.bfloat16) * 2,
+                lambda x: F.layer_norm(x.float(), (7,)).relu()]
+    for fn in programs:
+        compiled = egc.compile(fn, [image], target=target)
+        assert {k.kind for k in compiled.plan.kernels} == {"generated"}, compiled.plan.fallbacks
+        got, want = compiled(image), fn(image)
+        assert got.dtype == want.dtype
+        if target == "triton" and want.dtype == torch.bfloat16:  # the interpreter truncates float32 -> bf16
+            torch.testing.assert_close(got, want, atol=0, rtol=2 * torch.finfo(torch.bfloat16).eps)
+        else:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)  # (int16's sums of +-128s: order)
+        if target == "triton":
+            from egraph_compiler.codegen.triton_build import compile_for_gpu
+            compile_for_gpu([(compiled.source, compiled.loop_kernels)])
+
+
+@pytest.mark.parametrize("target", ["cpu", "triton"])
+def test_narrow_integers_computed_on_run_through_aten_and_say_why(target):
+    """Arithmetic on uint8 (which wraps at 256 in torch, and in C++ would be promoted to int
+    first), or a cast of it to another integer, is not generated: ATen runs it, and the
+    reason names the input's dtype."""
     image = torch.randint(0, 256, (3, 9), dtype=torch.uint8)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        compiled = egc.compile(lambda x: (x.float() / 255).sum(-1), [image], target=target)
-    assert any("an input of dtype uint8" in f for f in compiled.plan.fallbacks), compiled.plan.fallbacks
-    torch.testing.assert_close(compiled(image), (image.float() / 255).sum(-1))
+    for fn, reason in [(lambda x: x + 250, "dtype uint8 in"), (lambda x: x.long() * 3, "only as a cast to a float"),
+                       (lambda x: x.bool(), "only as a cast to a float")]:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            compiled = egc.compile(fn, [image], target=target)
+        assert any(reason in f for f in compiled.plan.fallbacks), compiled.plan.fallbacks
+        got, want = compiled(image), fn(image)
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
