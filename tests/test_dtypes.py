@@ -229,6 +229,32 @@ def test_narrow_integer_inputs_cast_to_a_float_are_read_by_generated_code(dtype,
 
 
 @pytest.mark.parametrize("target", ["cpu", "triton"])
+def test_a_convnet_taking_uint8_images_has_no_fallback(target):
+    """An outsider's model: uint8 pixels normalised by buffers of ImageNet's mean and std, then a
+    convolution, batch norm, pooling and a classifier, through `torch.compile`: no ATen fallback."""
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("mean", torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1))
+            self.register_buffer("std", torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1))
+            self.body = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8),
+                                            torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
+                                            torch.nn.Linear(8, 5))
+
+        def forward(self, image):
+            return self.body((image.float() / 255 - self.mean) / self.std).softmax(-1)
+    torch.manual_seed(0)
+    net = Net().eval()
+    image = torch.randint(0, 256, (2, 3, 16, 16), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    torch._dynamo.reset()
+    with torch.no_grad():
+        got = torch.compile(net, backend="egraph", options={"target": target})(image)
+        torch.testing.assert_close(got, net(image))
+    plan = egc.last_compiled()[-1].plan
+    assert not plan.fallbacks and "aten" not in {k.kind for k in plan.kernels}, plan
+
+
+@pytest.mark.parametrize("target", ["cpu", "triton"])
 def test_narrow_integers_computed_on_run_through_aten_and_say_why(target):
     """Arithmetic on uint8 (which wraps at 256 in torch, and in C++ would be promoted to int
     first), or a cast of it to another integer, is not generated: ATen runs it, and the
