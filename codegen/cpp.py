@@ -10,11 +10,10 @@ from egraph_compiler.pieces import pieces, strips
 
 from .cpp_across import TILE, column_reduction, columns, tiled
 from .cpp_load import SIZED, load
-from .walker import Target, float_literal, render_expr, render_index
+from .walker import NARROW_INTEGERS, Target, float_literal, render_expr, render_index
 
 CTYPES = {"float32": "float", "float64": "double", "bool": "bool", "int64": "int64_t", "int32": "int32_t",
           "float16": "_Float16", "bfloat16": "egc_bf16", "uint8": "uint8_t", "int8": "int8_t", "int16": "int16_t"}
-NARROW_READS = frozenset({"uint8", "int8", "int16"})  # read through a cast to a float only (Target.narrow_reads)
 NARROW_CTYPES = ("_Float16", "egc_bf16")  # stored narrow, loaded into float: kernels compute in float32
 PARALLEL_MIN = 1 << 15  # below this many elements, threads cost more than they save
 
@@ -358,5 +357,5 @@ TARGET = Target(
     floordiv="/", dtypes=frozenset({"float32", "float16", "bfloat16", "bool", "int64", "int32", "weak"}),
     dtype_names=CTYPES, int_const=lambda v: f"int64_t({v})", row="egc_row({row}, {rows}, {err})",
     render=render_program, kernel_source=render_kernel, load=load, exact_mean=True, sized=SIZED,
-    narrow_reads=NARROW_READS,
+    narrow_reads=NARROW_INTEGERS,
 )

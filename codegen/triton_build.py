@@ -23,8 +23,8 @@ WARM_MIN_KERNELS = 8  # fewer kernels compile about as fast in this process as i
 def start_workers() -> None:
     """Start this process's compile workers (triton_workers.py) while the e-graph works."""
     from .triton_launch import gpu_target
-    from .triton_workers import count, start
-    if count() > 0 and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+    from .triton_workers import start
+    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         share_triton_cache()  # (the workers take its cache manager from the environment)
         start(gpu_target())
 

@@ -27,13 +27,21 @@ def _module_path(source: str):
     return cache_dir() / f"egc_triton_{hashlib.sha256(source.encode()).hexdigest()[:24]}.py"
 
 
-def _import(source: str):
+def _write(source: str):
+    """The module's file in the cache, written (atomically) unless it holds `source` already;
+    returns (path, whether it was written)."""
     path = _module_path(source)
-    if not path.exists() or path.read_text() != source:
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(source)
-        os.replace(tmp, path)
-    elif path in _MODULES:
+    if path.exists() and path.read_text() == source:
+        return path, False
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(source)
+    os.replace(tmp, path)
+    return path, True
+
+
+def _import(source: str):
+    path, written = _write(source)
+    if not written and path in _MODULES:
         return _MODULES[path]
     spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)

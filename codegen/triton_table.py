@@ -2,9 +2,10 @@
 `@triton.jit` helpers every generated module starts with (the kernels' shapes: triton.py)."""
 from __future__ import annotations
 
+from .walker import NARROW_INTEGERS
+
 TL = {"float32": "tl.float32", "float16": "tl.float16", "bfloat16": "tl.bfloat16", "bool": "tl.int1",
       "int64": "tl.int64", "int32": "tl.int32", "uint8": "tl.uint8", "int8": "tl.int8", "int16": "tl.int16"}
-NARROW_READS = frozenset({"uint8", "int8", "int16"})  # read through a cast to a float only (Target.narrow_reads)
 
 SCALAR_OPS = {
     "exp": "tl.exp({0})", "log": "tl.log({0})", "tanh": "(2.0 * tl.sigmoid(2.0 * ({0})) - 1.0)",
@@ -102,6 +103,6 @@ FIELDS = dict(
     language="generated Triton", ops=SCALAR_OPS, const=_const,
     pow_special={2.0: "(({0}) * ({0}))", 0.5: "tl.sqrt({0})", 1.0: "({0})", 3.0: "(({0}) * ({0}) * ({0}))",
                  -1.0: "(1.0 / ({0}))"},
-    floordiv="//", dtypes=(frozenset(TL) - NARROW_READS) | {"weak"}, narrow_reads=NARROW_READS,
+    floordiv="//", dtypes=(frozenset(TL) - NARROW_INTEGERS) | {"weak"}, narrow_reads=NARROW_INTEGERS,
     dtype_names=TL, int_const=str, row="_egc_row({row}, {rows}, {err})",
 )

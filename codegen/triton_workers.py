@@ -20,8 +20,9 @@ import subprocess
 import sys
 import threading
 
-from egraph_compiler.cache import cache_dir
 from egraph_compiler.errors import OptionError
+
+from .triton_load import _write
 
 WORKERS_ENV = "EGC_COMPILE_WORKERS"  # how many (0: none); default 8, at most the CPUs
 
@@ -38,12 +39,7 @@ class Workers:
     """A fixed set of children serving one request at a time (a lock: threads take turns)."""
 
     def __init__(self, size: int, target: tuple):
-        prewarm = cache_dir() / "egc_triton_prewarm.py"
-        if not prewarm.exists() or prewarm.read_text() != PREWARM:
-            tmp = prewarm.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(PREWARM)
-            os.replace(tmp, prewarm)
-        self.pid = os.getpid()  # (a forked process starts its own: these pipes are its parent's)
+        prewarm, _ = _write(PREWARM)
         self.lock = threading.Lock()
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # (compiled, not interpreted)
         self.children = [subprocess.Popen([sys.executable, "-c", _SERVE, json.dumps(target), str(prewarm)],
@@ -92,13 +88,13 @@ def start(target: tuple) -> Workers | None:
     """This process's workers, started on the first call (`target`: the GPU's
     (backend, architecture, warp size), which the children compile for)."""
     with _START:
-        pool = _POOL[0]
-        if pool is not None and pool.pid == os.getpid():
-            return pool
-        if count() <= 0:
+        if _POOL[0] is not None:
+            return _POOL[0]
+        size = count()
+        if size <= 0:
             return None
         try:
-            _POOL[0] = Workers(count(), target)
+            _POOL[0] = Workers(size, target)
         except OSError:  # (no process or file to be had: the kernels compile at their first launch)
             return None
         return _POOL[0]
@@ -131,9 +127,8 @@ os.register_at_fork(after_in_child=_forked)
 
 @atexit.register
 def _close() -> None:
-    pool = _POOL[0]
-    if pool is not None and pool.pid == os.getpid():
-        pool.close()
+    if _POOL[0] is not None:  # (a forked process has none: _forked)
+        _POOL[0].close()
 
 
 PREWARM = """import triton

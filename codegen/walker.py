@@ -46,6 +46,10 @@ class Target:
         return dtype in self.dtypes
 
 
+NARROW_INTEGERS = frozenset({"uint8", "int8", "int16"})  # what both targets read as Target.narrow_reads
+
+
+
 def render_index(index: Affine, target: Target) -> str:
     parts = []
     for term, coeff in index.terms:

@@ -315,10 +315,10 @@ def _kind(node: Node, body, inputs, target) -> tuple[str, str]:
     dtypes = computed | {i.dtype for i in inputs}
     missing = dtypes - target.dtypes
     if missing and computed <= target.dtypes:  # (an input's only: a uint8 image read through a cast?)
-        if not (missing <= target.narrow_reads and _read_as_floats(body, missing)):
-            return "aten", (f"an input of dtype {', '.join(sorted(missing))}, which {target.language} reads only "
-                            f"as a cast to a float" if missing <= target.narrow_reads else
-                            f"an input of dtype {', '.join(sorted(missing))}, which {target.language} does not read")
+        narrow = missing <= target.narrow_reads
+        if not (narrow and _read_as_floats(body, missing)):
+            how = "reads only as a cast to a float" if narrow else "does not read"
+            return "aten", f"an input of dtype {', '.join(sorted(missing))}, which {target.language} {how}"
     elif missing:
         return "aten", f"dtype {', '.join(sorted(missing))} in {target.language}"
     reason = _integer_reason(body) if dtypes & ops.INTEGERS else ""
