@@ -183,6 +183,16 @@ class Executable:
             return call(dict(zip(ids, tensors)))
         return run if contiguous else run_strided
 
+    def torch_step_into(self, kernel):
+        """An `into` step (wrapper.into_buffer) as a function of the kernel's inputs, then the
+        buffer it writes."""
+        ids = [id(i) for i in kernel.inputs]
+        into = self.steps.linear_into(kernel.output)
+
+        def run(*tensors):
+            return into(dict(zip(ids, tensors[:-1])), tensors[-1])
+        return run
+
     def _structure(self, results):
         """The user's result structure: dicts, lists, nested tuples, non-tensors passed through."""
         if self.graph.results is None:

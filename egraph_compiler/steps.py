@@ -188,6 +188,29 @@ class TorchSteps:
             return lambda args: linear(args[0], args[1])
         return lambda args: linear(args[0], args[1], args[2])
 
+    def linear_into(self, node: Node):
+        """`linear` (an `into` step: wrapper.py) as one `addmm`/`mm` writing a buffer the wrapper
+        hands it, the input seen as a matrix: on a CPU a fresh result's pages fault in inside
+        MKL's GEMM on every call (BERT's [512, 256] x [256, 1024]: 2181 us against 1586 into a
+        touched buffer, BENCHMARKS.md, twenty-second session), where a buffer released earlier
+        in the run is already mapped."""
+        x, w = self.getter(node.args[0]), self.getter(node.args[1])
+        bias = None if node.args[2].op == "const" else self.getter(node.args[2])
+        k, n = node.args[1].shape[1], node.args[1].shape[0]
+        addmm, mm = torch.addmm, torch.mm
+
+        def into(env, out):
+            if out.numel() == 0:  # (nothing to write; no row count to infer from an empty buffer)
+                return out
+            rows = out.numel() // n
+            matrix, weight = x(env).reshape(rows, k), w(env).t()
+            if bias is None:
+                mm(matrix, weight, out=out.view(rows, n))
+            else:
+                addmm(bias(env), matrix, weight, out=out.view(rows, n))
+            return out
+        return into
+
     def _fused_attention(self, node: Node):
         """Training's attention (flash.py): the output and its logsumexp are two nodes of one
         forward call, dq, dk and dv three of one backward call; a run makes each call once

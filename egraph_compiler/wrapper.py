@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .graph import view_source
 from .steps import empty, torch_dtype
 
 
@@ -18,43 +19,100 @@ class Wrapper:
 def straight_line(executable, loops_by_name: dict, nodes: dict, release) -> Wrapper:
     """The wrapper of an Executable: its generated kernels' calls (`loops_by_name`: their loop
     IR; `nodes`: buffer name -> node) and torch steps, with each value released where
-    `release` (plan.release_schedule) says."""
+    `release` (plan.release_schedule) says, and a released buffer taken over by a later
+    value of its shape and dtype (`reused_buffers`)."""
     plan, target = executable.plan, executable.target
     local: dict[int, str] = {}
     names: dict = {}
+    allocations = allocated(plan, loops_by_name, nodes, target)
+    reuse = reused_buffers(plan, allocations, release)
+    handed = set(reuse.values())  # (released by the value that takes its buffer over)
     lines = ["def run(env):"]
     generated_reads = {id(i) for k in plan.kernels if k.kind == "generated" for i in k.inputs}
     for i, node in enumerate(plan.graph.inputs):
         local[id(node)] = f"a{i}"
         lines.append(f"    a{i} = env[{id(node)}]")
     for step, kernel in enumerate(plan.kernels):
+        for name, node in allocations[step]:
+            local[id(node)] = name
+            if name in reuse:
+                lines.append(f"    {name} = {reuse[name]}; del {reuse[name]}  # (its buffer, free now)")
+            else:
+                names[f"_empty_{name}"] = empty(node.shape, torch_dtype(node.dtype), target.device)
+                lines.append(f"    {name} = _empty_{name}()")
         if kernel.kind == "generated" and kernel.loop_nest:
             pass  # computed by its sibling's loop nest
         elif kernel.kind == "generated":
             loop = loops_by_name[kernel.name]
-            ins = [local[id(nodes[p.name])] for p in loop.params if p.role == "in"]
-            outs = []
-            for p in loop.params:
-                if p.role == "out":
-                    node = nodes[p.name]
-                    outs.append(p.name)
-                    local[id(node)] = p.name
-                    names[f"_empty_{p.name}"] = empty(node.shape, torch_dtype(node.dtype), target.device)
-                    lines.append(f"    {p.name} = _empty_{p.name}()")
+            params = [local[id(nodes[p.name])] for p in loop.params if p.role == "in"] + \
+                [p.name for p in loop.params if p.role == "out"]
             names[f"_{kernel.name}"] = executable._calls[kernel.name]
-            lines.append(f"    _{kernel.name}({', '.join(ins + outs)})  # {kernel.output.op}")
+            lines.append(f"    _{kernel.name}({', '.join(params)})  # {kernel.output.op}")
+        elif allocations[step]:  # a library call into the buffer just allocated
+            names[f"_{kernel.name}"] = executable.torch_step_into(kernel)
+            args = ", ".join([local[id(i)] for i in kernel.inputs] + [f"t{step}"])
+            lines.append(f"    _{kernel.name}({args})  # {kernel.kind}: {kernel.output.op}, into t{step}")
         else:
             local[id(kernel.output)] = f"t{step}"
             names[f"_{kernel.name}"] = executable.torch_step(kernel, id(kernel.output) in generated_reads)
             args = ", ".join(local[id(i)] for i in kernel.inputs)
             lines.append(f"    t{step} = _{kernel.name}({args})  # {kernel.kind}: {kernel.output.op}")
-        dead = [local[id(n)] for n in release[step]]
+        dead = [local[id(n)] for n in release[step] if local[id(n)] not in handed]
         if dead:
             lines.append(f"    del {', '.join(dead)}")
     released = {id(n) for step in release for n in step}
     live = [(key, name) for key, name in local.items() if key not in released]
     lines.append("    return {" + ", ".join(f"{key}: {name}" for key, name in live) + "}")
     return Wrapper("\n".join(lines), names)
+
+
+def into_buffer(kernel, target) -> bool:
+    """Whether a library call writes a buffer the wrapper allocates (steps.linear_into): a CPU
+    linear whose operands are of its own dtype (on CUDA the caching allocator already hands a
+    warm block, and `addmm` into a buffer of ours measured slower inside LLaMA, BENCHMARKS.md,
+    eighth session)."""
+    node = kernel.output
+    return (target.device == "cpu" and kernel.kind == "library" and node.op == "linear"
+            and node.dtype in ("float32", "bfloat16") and len(node.args[1].shape) == 2
+            and all(a.dtype == node.dtype for a in node.args[:2])
+            and (node.args[2].op == "const" and node.args[2].attr("value") == 0
+                 or node.args[2].dtype == node.dtype and tuple(node.args[2].shape) == node.args[1].shape[:1]))
+
+
+def allocated(plan, loops_by_name: dict, nodes: dict, target) -> list[list[tuple[str, object]]]:
+    """Per kernel, the buffers the wrapper allocates for it (name, node): a generated kernel's
+    outputs, an `into_buffer` library call's result."""
+    out = []
+    for step, kernel in enumerate(plan.kernels):
+        if kernel.kind == "generated" and not kernel.loop_nest:
+            out.append([(p.name, nodes[p.name]) for p in loops_by_name[kernel.name].params if p.role == "out"])
+        else:
+            out.append([(f"t{step}", kernel.output)] if into_buffer(kernel, target) else [])
+    return out
+
+
+def reused_buffers(plan, allocations: list, release) -> dict[str, str]:
+    """Which allocation takes over the buffer of a value released before it (its name -> the
+    released buffer's name), as Inductor's wrapper reuses buffers: a buffer the wrapper
+    allocated, of the same shape and dtype, that no ATen fallback reads (a fallback may hand out
+    a view of what it reads, which would see the next value's writes; a library call's result
+    is its own).  On a CPU every fresh buffer is a malloc whose pages, past glibc's trim
+    threshold, fault in again on each call."""
+    torch_reads = {id(view_source(i)) for k in plan.kernels if k.kind != "generated"
+                   and (k.kind, k.output.group) != ("library", "library") for i in k.inputs}
+    ours: dict[int, str] = {}  # a value in a buffer the wrapper allocated -> the buffer's name
+    free: dict[tuple, list[str]] = {}  # (shape, dtype) -> released buffers
+    reuse: dict[str, str] = {}
+    for step, kernel in enumerate(plan.kernels):
+        for name, node in allocations[step]:
+            ours[id(node)] = name
+            pool = free.get((tuple(node.shape), torch_dtype(node.dtype)))
+            if pool:
+                reuse[name] = pool.pop()
+        for n in release[step]:
+            if id(n) in ours and id(n) not in torch_reads:
+                free.setdefault((tuple(n.shape), torch_dtype(n.dtype)), []).append(ours[id(n)])
+    return reuse
 
 
 def exec_wrapper(source: str, names: dict):

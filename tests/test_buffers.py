@@ -1,0 +1,78 @@
+"""The wrapper's buffers (egraph_compiler/wrapper.py): a value released during a call hands its
+buffer to a later value of its shape and dtype, never one an ATen fallback may have viewed; a
+CPU linear writes a buffer of the wrapper's (steps.linear_into)."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import egraph_compiler as egc
+
+TAKEN = "(its buffer, free now)"
+
+
+def chain(x):
+    a = torch.softmax(x * 2, -1)
+    b = torch.softmax(a, 0)
+    c = torch.softmax(b * 3, -1)
+    d = torch.softmax(c, 0)
+    return torch.softmax(d * 5, -1) * 2
+
+
+@pytest.mark.parametrize("target", ["cpu", "triton"])
+def test_released_buffers_are_taken_over_and_outputs_stay_the_callers(target):
+    x = torch.randn(48, 40)
+    compiled = egc.compile(chain, [x], target=target)
+    wrapper = compiled.levels.wrapper
+    assert wrapper.count(TAKEN) >= 3, wrapper
+    first = compiled(x)
+    kept = first.clone()
+    torch.testing.assert_close(first, chain(x))
+    second = compiled(torch.randn(48, 40))  # a second call writes no buffer the first one returned
+    assert torch.equal(first, kept) and second.data_ptr() != first.data_ptr()
+
+
+def viewed_by_a_fallback(x, y):
+    a = torch.softmax(x * 2, -1)
+    d = a.unfold(1, 64, 64)[:, 0, :]  # outside the vocabulary: ATen hands out a contiguous view of a's buffer
+    b = torch.softmax(d.t() * y, -1)  # of a's shape, after a's last reader, reading the view
+    return torch.softmax(b * 3, -1)
+
+
+def test_a_buffer_an_aten_fallback_read_is_never_taken_over():
+    """b's kernel would write a's buffer while reading the view of it: wrong values, silently
+    (0.0012 off when the fallback's reads were pooled)."""
+    x, y = torch.randn(64, 64), torch.randn(64, 64)
+    with pytest.warns(UserWarning, match="unfold.*runs through ATen"):
+        compiled = egc.compile(viewed_by_a_fallback, [x, y])
+    assert TAKEN not in compiled.levels.wrapper, compiled.levels.wrapper
+    torch.testing.assert_close(compiled(x, y), viewed_by_a_fallback(x, y))
+
+
+def mlp(x, w1, b1, w2, w3, b3):
+    h = F.gelu(F.linear(x, w1, b1))
+    h = torch.relu(F.linear(h, w2))  # no bias: `mm`
+    return F.linear(h * 2, w3, b3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lead", [(2, 7), (5,), (), (0, 3)])
+def test_cpu_linears_write_into_the_wrappers_buffers(dtype, lead):
+    torch.manual_seed(0)
+    d, h = 24, 40
+    args = [torch.randn(*lead, d), torch.randn(h, d) / 5, torch.randn(h), torch.randn(h, h) / 6,
+            torch.randn(d, h) / 6, torch.randn(d)]
+    args = [a.to(dtype) for a in args]
+    compiled = egc.compile(mlp, args)
+    wrapper = compiled.levels.wrapper
+    assert wrapper.count("linear, into") == 3, wrapper
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for _ in range(2):  # the second call's buffers are taken over from values released in it
+        torch.testing.assert_close(compiled(*args), mlp(*args), atol=tol, rtol=tol)
+
+
+def test_a_linear_of_a_transposed_input_or_a_size_zero_weight():
+    x = torch.randn(5, 8)
+    fn = lambda x, w: F.linear(x.t(), w)  # noqa: E731  (x read through a transposed view)
+    for w in (torch.randn(6, 5), torch.randn(0, 5)):
+        compiled = egc.compile(fn, [x, w])
+        torch.testing.assert_close(compiled(x, w), fn(x, w))
