@@ -162,6 +162,8 @@ def _first_line(gm: torch.fx.GraphModule) -> str:
 
 def _real(fake: torch.Tensor) -> torch.Tensor:
     """A real tensor with a fake one's shape, strides and dtype (its values are
-    never used for results: plans depend on shapes and dtypes only)."""
+    never used for results: plans depend on shapes and dtypes only), filled with
+    ones: random normals took 5.4 s of GPT-2's first training step at the GPU size
+    on a CPU (144 tensors), a fill is a memory-bound pass."""
     out = torch.empty_strided(tuple(fake.shape), tuple(fake.stride()), dtype=fake.dtype, device=fake.device)
-    return out.normal_() if out.is_floating_point() else out.zero_()
+    return out.fill_(1) if out.is_floating_point() else out.zero_()
