@@ -10,7 +10,7 @@ TL = {"float32": "tl.float32", "float16": "tl.float16", "bfloat16": "tl.bfloat16
 SCALAR_OPS = {
     "exp": "tl.exp({0})", "log": "tl.log({0})", "tanh": "(2.0 * tl.sigmoid(2.0 * ({0})) - 1.0)",
     "log1p": "_egc_log1p({0})", "expm1": "_egc_expm1({0})",
-    "erf": "tl.math.erf({0})", "cos": "tl.cos({0})", "sin": "tl.sin({0})", "floor": "tl.floor({0})", "relu": "tl.where(({0}) < 0, 0.0, ({0}))", "sigmoid": "tl.sigmoid({0})",
+    "erf": "tl.math.erf({0})", "cos": "tl.cos({0})", "sin": "tl.sin({0})", "floor": "tl.floor({0})", "relu": "tl.maximum({0}, 0.0, propagate_nan=tl.PropagateNan.ALL)", "sigmoid": "tl.sigmoid({0})",
     "neg": "(-({0}))", "abs": "tl.abs({0})", "sqrt": "tl.sqrt({0})", "rsqrt": "tl.rsqrt({0})",
     "silu": "(({0}) * tl.sigmoid({0}))",
     "gelu": "(0.5 * ({0}) * (1.0 + tl.math.erf(({0}) * 0.7071067811865476)))",

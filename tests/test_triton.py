@@ -401,3 +401,13 @@ def test_workers_that_cannot_start_leave_the_kernels_to_their_first_launch(monke
     compiled = egc.compile(lambda x: torch.softmax(x, -1).relu(), [torch.randn(4, 8)], target="triton")
     assert triton_build.warm_in_parallel(compiled.source, compiled.loop_kernels) == (0, 0)
     assert triton_workers._POOL[0] is None
+
+
+def test_relu_keeps_nan_and_infinities():
+    """relu is rendered as a NaN-propagating tl.maximum (faster than a `where` in long rows): a NaN
+    stays NaN, -inf becomes 0, inf stays, as torch's relu."""
+    x = torch.tensor([[float("nan"), -float("inf"), -1.5, -0.0, 0.0, 2.5, float("inf"), 3.0]])
+    fn = lambda x: torch.relu(x * 2) + 1  # noqa: E731
+    compiled = egc.compile(fn, [x], target="triton")
+    assert "tl.maximum(" in compiled.source and "PropagateNan.ALL" in compiled.source
+    torch.testing.assert_close(compiled(x), fn(x), equal_nan=True)
