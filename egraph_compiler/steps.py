@@ -199,6 +199,13 @@ class TorchSteps:
         k, n = node.args[1].shape[1], node.args[1].shape[0]
         addmm, mm = torch.addmm, torch.mm
 
+        if len(node.shape) == 2:  # (a matrix already: no views to take per call, ~1 us each)
+            def into(env, out):
+                if bias is None:
+                    return mm(x(env), w(env).t(), out=out)
+                return addmm(bias(env), x(env), w(env).t(), out=out)
+            return into
+
         def into(env, out):
             if out.numel() == 0:  # (nothing to write; no row count to infer from an empty buffer)
                 return out
