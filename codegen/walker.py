@@ -49,7 +49,6 @@ class Target:
 NARROW_INTEGERS = frozenset({"uint8", "int8", "int16"})  # what both targets read as Target.narrow_reads
 
 
-
 def render_index(index: Affine, target: Target) -> str:
     parts = []
     for term, coeff in index.terms:

@@ -184,7 +184,7 @@ class TorchSteps:
         call in isolation on the H200 box's host, made LLaMA's forward 32% slower there: 3.66
         against 2.77 ms, BENCHMARKS.md, eighth session.)"""
         linear = torch.nn.functional.linear
-        if node.args[2].op == "const" and node.args[2].attr("value") == 0:
+        if no_bias(node):
             return lambda args: linear(args[0], args[1])
         return lambda args: linear(args[0], args[1], args[2])
 
@@ -195,26 +195,21 @@ class TorchSteps:
         touched buffer, BENCHMARKS.md, twenty-second session), where a buffer released earlier
         in the run is already mapped."""
         x, w = self.getter(node.args[0]), self.getter(node.args[1])
-        bias = None if node.args[2].op == "const" else self.getter(node.args[2])
+        bias = None if no_bias(node) else self.getter(node.args[2])
         k, n = node.args[1].shape[1], node.args[1].shape[0]
         addmm, mm = torch.addmm, torch.mm
 
+        def product(env, matrix, out):
+            weight = w(env).t()
+            return mm(matrix, weight, out=out) if bias is None else addmm(bias(env), matrix, weight, out=out)
+
         if len(node.shape) == 2:  # (a matrix already: no views to take per call, ~1 us each)
-            def into(env, out):
-                if bias is None:
-                    return mm(x(env), w(env).t(), out=out)
-                return addmm(bias(env), x(env), w(env).t(), out=out)
-            return into
+            return lambda env, out: product(env, x(env), out)
 
         def into(env, out):
-            if out.numel() == 0:  # (nothing to write; no row count to infer from an empty buffer)
-                return out
-            rows = out.numel() // n
-            matrix, weight = x(env).reshape(rows, k), w(env).t()
-            if bias is None:
-                mm(matrix, weight, out=out.view(rows, n))
-            else:
-                addmm(bias(env), matrix, weight, out=out.view(rows, n))
+            if out.numel():  # (an empty buffer has nothing to write, and no row count to infer)
+                rows = out.numel() // n
+                product(env, x(env).reshape(rows, k), out.view(rows, n))
             return out
         return into
 
@@ -302,6 +297,12 @@ class TorchSteps:
         if key not in self.memo:
             self.memo[key] = library.fully_masked_rows(mask, keys)
         return self.memo[key]
+
+
+def no_bias(node: Node) -> bool:
+    """A linear whose bias is the plan's scalar 0 (called without one: it would cost a kernel)."""
+    bias = node.args[2]
+    return bias.op == "const" and bias.attr("value") == 0
 
 
 def _once(make):

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .graph import view_source
-from .steps import empty, torch_dtype
+from .steps import empty, no_bias, torch_dtype
 
 
 @dataclass
@@ -72,11 +72,12 @@ def into_buffer(kernel, target) -> bool:
     warm block, and `addmm` into a buffer of ours measured slower inside LLaMA, BENCHMARKS.md,
     eighth session)."""
     node = kernel.output
-    return (target.device == "cpu" and kernel.kind == "library" and node.op == "linear"
-            and node.dtype in ("float32", "bfloat16") and len(node.args[1].shape) == 2
-            and all(a.dtype == node.dtype for a in node.args[:2])
-            and (node.args[2].op == "const" and node.args[2].attr("value") == 0
-                 or node.args[2].dtype == node.dtype and tuple(node.args[2].shape) == node.args[1].shape[:1]))
+    if not (target.device == "cpu" and kernel.kind == "library" and node.op == "linear"
+            and node.dtype in ("float32", "bfloat16")):
+        return False
+    x, w, bias = node.args
+    return (len(w.shape) == 2 and x.dtype == w.dtype == node.dtype
+            and (no_bias(node) or (bias.dtype == node.dtype and bias.shape == w.shape[:1])))
 
 
 def allocated(plan, loops_by_name: dict, nodes: dict, target) -> list[list[tuple[str, object]]]:
@@ -106,12 +107,12 @@ def reused_buffers(plan, allocations: list, release) -> dict[str, str]:
     for step, kernel in enumerate(plan.kernels):
         for name, node in allocations[step]:
             ours[id(node)] = name
-            pool = free.get((tuple(node.shape), torch_dtype(node.dtype)))
+            pool = free.get((node.shape, torch_dtype(node.dtype)))
             if pool:
                 reuse[name] = pool.pop()
         for n in release[step]:
             if id(n) in ours and id(n) not in torch_reads:
-                free.setdefault((tuple(n.shape), torch_dtype(n.dtype)), []).append(ours[id(n)])
+                free.setdefault((n.shape, torch_dtype(n.dtype)), []).append(ours[id(n)])
     return reuse
 
 
