@@ -95,7 +95,7 @@ def sdpa(t, a, prepared: bool = False):
     return on_cuda(call, q, k, v)
 
 
-def on_cpu(call, q, k, v, mask=None, causal=False, scale=None, grouped=False):
+def on_cpu(call, q, k, v, mask=None, causal=False, scale=None, grouped=False, fits=None):
     """A query row that meets only NaN scores (a NaN or inf in it, or in every key, so in the
     first): torch's CPU flash kernel treats the row as masked and gives 0; its math kernel,
     which eager picks for other layouts, gives NaN, as the arithmetic does.  The NaN stands.
@@ -107,11 +107,12 @@ def on_cpu(call, q, k, v, mask=None, causal=False, scale=None, grouped=False):
     two sums took 40 us of a 200 us call; 2-3% of a BERT layer's on 2 cores).  The flash kernel
     reads each row as if its last dim were contiguous: a transposed q, k or v (last stride not 1)
     gave every output wrong (soak, seed 12001), so those go through torch's sdpa, which picks the
-    math kernel for them as eager does."""
-    if (not grouped and q.dim() == k.dim() == v.dim() == 4 and q.numel() and k.numel() and v.numel() and q.shape[-1] == k.shape[-1] == v.shape[-1]
-            and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and (mask is None or mask.stride(-1) == 1)
-            and q.shape[:2] == k.shape[:2] == v.shape[:2] and k.shape[2] == v.shape[2]
-            and q.dtype == k.dtype == v.dtype and (mask is None or (mask.dtype == q.dtype and mask.dim() == 4))):
+    math kernel for them as eager does.  `fits`: flash_shapes of these operands, where the caller
+    knows them before the call."""
+    if fits is None:
+        fits = flash_shapes(q.shape, k.shape, v.shape, None if mask is None else mask.shape, grouped)
+    if (fits and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and q.dtype == k.dtype == v.dtype
+            and (mask is None or (mask.stride(-1) == 1 and mask.dtype == q.dtype))):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal,
                                                                               attn_mask=mask, scale=scale)
         if bool(lse.all()) or _finite(q, k):  # (no logsumexp is 0: one op, where `== 0` then `any` took two)
@@ -119,6 +120,15 @@ def on_cpu(call, q, k, v, mask=None, causal=False, scale=None, grouped=False):
     elif _finite(q, k):
         return call(q, k, v)
     return call(q, k, v, math=True)
+
+
+def flash_shapes(qs, ks, vs, mask_shape, grouped: bool) -> bool:
+    """Whether torch's CPU flash kernel takes operands of these shapes as they are (on_cpu; their
+    strides and dtypes are asked per call): 4-d, not empty, one head size, no grouped heads, one
+    batch and head count, as many keys as values, no mask or a 4-d one."""
+    return (not grouped and len(qs) == len(ks) == len(vs) == 4 and 0 not in (*qs, *ks, *vs)
+            and qs[-1] == ks[-1] == vs[-1] and qs[:2] == ks[:2] == vs[:2] and ks[2] == vs[2]
+            and (mask_shape is None or len(mask_shape) == 4))
 
 
 def _finite(q, k) -> bool:
@@ -139,6 +149,8 @@ def attention(shapes: list, a: dict, cuda: bool):
         return lambda t: sdpa(t, a)
     expand = _expansions(qs, ks, vs, shapes[3] if masked else None, grouped)
     causal, scale = a["causal"], a["scale"]
+    fits = flash_shapes(*(e or x for e, x in zip(expand, (qs, ks, vs))),
+                        (1, keys) if per_key else shapes[3] if masked else None, grouped)
 
     def run(t):
         q, k, v = t[0], t[1], t[2]
@@ -152,7 +164,7 @@ def attention(shapes: list, a: dict, cuda: bool):
         if expand[2]:
             v = v.expand(expand[2])
         call = _caller(mask, causal, scale, grouped)
-        return on_cuda(call, q, k, v) if cuda else on_cpu(call, q, k, v, mask, causal, scale, grouped)
+        return on_cuda(call, q, k, v) if cuda else on_cpu(call, q, k, v, mask, causal, scale, grouped, fits)
     return run
 
 

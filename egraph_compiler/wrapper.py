@@ -28,6 +28,7 @@ def straight_line(executable, loops_by_name: dict, nodes: dict, release) -> Wrap
     reuse = reused_buffers(plan, allocations, release)
     handed = set(reuse.values())  # (released by the value that takes its buffer over)
     lines = ["def run(env):"]
+    dense = set(executable.steps.dense)  # values held contiguous, of their node's shape
     generated_reads = {id(i) for k in plan.kernels if k.kind == "generated" for i in k.inputs}
     for i, node in enumerate(plan.graph.inputs):
         local[id(node)] = f"a{i}"
@@ -35,6 +36,7 @@ def straight_line(executable, loops_by_name: dict, nodes: dict, release) -> Wrap
     for step, kernel in enumerate(plan.kernels):
         for name, node in allocations[step]:
             local[id(node)] = name
+            dense.add(id(node))
             if name in reuse:
                 lines.append(f"    {name} = {reuse[name]}; del {reuse[name]}  # (its buffer, free now)")
             else:
@@ -49,8 +51,13 @@ def straight_line(executable, loops_by_name: dict, nodes: dict, release) -> Wrap
             names[f"_{kernel.name}"] = executable._calls[kernel.name]
             lines.append(f"    _{kernel.name}({', '.join(params)})  # {kernel.output.op}")
         elif allocations[step]:  # a library call into the buffer just allocated
-            names[f"_{kernel.name}"] = executable.torch_step_into(kernel)
-            args = ", ".join([local[id(i)] for i in kernel.inputs] + [f"t{step}"])
+            operands = direct_operands(kernel.output, local, dense)
+            if operands is None:
+                names[f"_{kernel.name}"] = executable.torch_step_into(kernel)
+                operands = [local[id(i)] for i in kernel.inputs]
+            else:
+                names[f"_{kernel.name}"] = executable.steps.linear_direct(kernel.output)
+            args = ", ".join(operands + [f"t{step}"])
             lines.append(f"    _{kernel.name}({args})  # {kernel.kind}: {kernel.output.op}, into t{step}")
         else:
             local[id(kernel.output)] = f"t{step}"
@@ -78,6 +85,17 @@ def into_buffer(kernel, target) -> bool:
     x, w, bias = node.args
     return (len(w.shape) == 2 and x.dtype == w.dtype == node.dtype
             and (no_bias(node) or (bias.dtype == node.dtype and bias.shape == w.shape[:1])))
+
+
+def direct_operands(node, local: dict, dense: set) -> list[str] | None:
+    """The wrapper's names of an `into` linear's operands where it holds each itself (not a
+    view the step would take) and x is contiguous, of its node's shape (steps.linear_direct
+    then takes them as they are); None otherwise."""
+    x, w, bias = node.args
+    operands = [x, w] if no_bias(node) else [x, w, bias]
+    if id(x) not in dense or any(id(a) not in local for a in operands):
+        return None
+    return [local[id(a)] for a in operands]
 
 
 def allocated(plan, loops_by_name: dict, nodes: dict, target) -> list[list[tuple[str, object]]]:
