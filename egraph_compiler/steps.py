@@ -235,6 +235,15 @@ class TorchSteps:
             return lambda x, w, b, out: (addmm(b, reinterpret(x, *xs), w.t(), out=reinterpret(out, *outs)), out)[1]
         return lambda x, w, b, out: addmm(b, x, w.t(), out=out)
 
+    def linear_call(self, node: Node, contiguous: bool):
+        """`linear` on operands the wrapper holds itself (wrapper.direct_operands), without the
+        environment and getters a step reads through; contiguous where a generated kernel reads
+        the result."""
+        linear = torch.nn.functional.linear
+        if no_bias(node):
+            return (lambda x, w: linear(x, w).contiguous()) if contiguous else (lambda x, w: linear(x, w))
+        return (lambda x, w, b: linear(x, w, b).contiguous()) if contiguous else (lambda x, w, b: linear(x, w, b))
+
     def _fused_attention(self, node: Node):
         """Training's attention (flash.py): the output and its logsumexp are two nodes of one
         forward call, dq, dk and dv three of one backward call; a run makes each call once

@@ -54,16 +54,22 @@ def straight_line(executable, loops_by_name: dict, nodes: dict, release) -> Wrap
             operands = direct_operands(kernel.output, local, dense)
             if operands is None:
                 names[f"_{kernel.name}"] = executable.torch_step_into(kernel)
-                operands = [local[id(i)] for i in kernel.inputs]
             else:
                 names[f"_{kernel.name}"] = executable.steps.linear_direct(kernel.output)
-            args = ", ".join(operands + [f"t{step}"])
-            lines.append(f"    _{kernel.name}({args})  # {kernel.kind}: {kernel.output.op}, into t{step}")
+            args = ", ".join((operands or [local[id(i)] for i in kernel.inputs]) + [f"t{step}"])
+            lines.append(f"    _{kernel.name}({args})  # {kernel.kind}: {kernel.output.op}, into t{step}"
+                         + (", direct" if operands else ""))
         else:
             local[id(kernel.output)] = f"t{step}"
-            names[f"_{kernel.name}"] = executable.torch_step(kernel, id(kernel.output) in generated_reads)
-            args = ", ".join(local[id(i)] for i in kernel.inputs)
-            lines.append(f"    t{step} = _{kernel.name}({args})  # {kernel.kind}: {kernel.output.op}")
+            contiguous = id(kernel.output) in generated_reads
+            operands = direct_operands(kernel.output, local) if direct_linear(kernel) else None
+            if operands is None:
+                names[f"_{kernel.name}"] = executable.torch_step(kernel, contiguous)
+            else:
+                names[f"_{kernel.name}"] = executable.steps.linear_call(kernel.output, contiguous)
+            args = ", ".join(operands or [local[id(i)] for i in kernel.inputs])
+            lines.append(f"    t{step} = _{kernel.name}({args})  # {kernel.kind}: {kernel.output.op}"
+                         + (", direct" if operands else ""))
         dead = [local[id(n)] for n in release[step] if local[id(n)] not in handed]
         if dead:
             lines.append(f"    del {', '.join(dead)}")
@@ -87,15 +93,24 @@ def into_buffer(kernel, target) -> bool:
             and (no_bias(node) or (bias.dtype == node.dtype and bias.shape == w.shape[:1])))
 
 
-def direct_operands(node, local: dict, dense: set) -> list[str] | None:
-    """The wrapper's names of an `into` linear's operands where it holds each itself (not a
-    view the step would take) and x is contiguous, of its node's shape (steps.linear_direct
-    then takes them as they are); None otherwise."""
+def direct_operands(node, local: dict, dense: set | None = None) -> list[str] | None:
+    """The wrapper's names of a linear's operands where it holds each itself (not a view the
+    step would take) and, where `dense` is given, x is one of those, contiguous and of its
+    node's shape (steps.linear_direct and linear_call then take them as they are); None otherwise."""
     x, w, bias = node.args
     operands = [x, w] if no_bias(node) else [x, w, bias]
-    if id(x) not in dense or any(id(a) not in local for a in operands):
+    if (dense is not None and id(x) not in dense) or any(id(a) not in local for a in operands):
         return None
     return [local[id(a)] for a in operands]
+
+
+def direct_linear(kernel) -> bool:
+    """A library linear whose operands are of its own dtype (F.linear gives it, no cast after)."""
+    node = kernel.output
+    if kernel.kind != "library" or node.op != "linear":
+        return False
+    x, w, bias = node.args
+    return x.dtype == w.dtype == node.dtype and (no_bias(node) or bias.dtype == node.dtype)
 
 
 def allocated(plan, loops_by_name: dict, nodes: dict, target) -> list[list[tuple[str, object]]]:

@@ -51,6 +51,7 @@ def _setup_env(cache_dir: str, omp_threads: int):
 
 
 ASAN_ENV = "EGC_SOAK_ASAN"
+AVX512_ENV = "EGC_SOAK_AVX512"  # (--allow-avx512: workers keep AVX-512 in generated C++)
 
 
 def _preload_asan():
@@ -72,10 +73,14 @@ def _preload_asan():
 def _memory_checks():
     """In a worker or the shrinker: an access past a tensor fails where it is made, under the
     Triton interpreter (tests/triton_bounds.py) or, with --asan, in C++ kernels built with
-    AddressSanitizer (its runtime preloaded by `_preload_asan`)."""
+    AddressSanitizer (its runtime preloaded by `_preload_asan`); with --allow-avx512 the
+    C++ kernels keep AVX-512."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         from tests import triton_bounds
         triton_bounds.install()
+    if os.environ.get(AVX512_ENV):
+        from egraph_compiler import cache
+        cache.CXXFLAGS[:] = [f for f in cache.CXXFLAGS if f != "-mno-avx512f"]
     if os.environ.get(ASAN_ENV):
         from egraph_compiler import cache
         if "-fsanitize=address" not in cache.CXXFLAGS:
@@ -300,12 +305,17 @@ def main(argv=None):
     ap.add_argument("--minimize-minutes", type=float, default=0.0,
                     help="after the run, shrink each distinct failure for up to this long")
     ap.add_argument("--minimize", metavar="JSON", help="shrink the failures saved by an earlier run, then stop")
+    ap.add_argument("--allow-avx512", action="store_true",
+                    help="build the C++ kernels with AVX-512, which generated code leaves out (egraph_compiler.cache): "
+                         "whether this machine's compiler and vector math give right answers with it")
     ap.add_argument("--asan", action="store_true",
                     help="build the C++ kernels with AddressSanitizer and run the workers with its runtime "
                          "preloaded: a read or write past a buffer stops the worker with ASan's report")
     args = ap.parse_args(argv)
     if args.asan:
         _preload_asan()
+    if args.allow_avx512:
+        os.environ[AVX512_ENV] = "1"
     cache = tempfile.mkdtemp(prefix="egc-soak-cache-")
     _setup_env(cache, args.omp_threads)
     if args.minimize:

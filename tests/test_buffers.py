@@ -76,3 +76,31 @@ def test_a_linear_of_a_transposed_input_or_a_size_zero_weight():
     for w in (torch.randn(6, 5), torch.randn(0, 5)):
         compiled = egc.compile(fn, [x, w])
         torch.testing.assert_close(compiled(x, w), fn(x, w))
+
+
+@pytest.mark.parametrize("target", ["cpu", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_linears_take_the_operands_the_wrapper_holds(target, dtype):
+    """A linear whose operands are values the wrapper holds is called on them directly (no
+    environment, no getters): into a buffer of the wrapper's for float32 and bf16 on a CPU, as
+    F.linear otherwise (float16, the Triton target); one whose input is a view goes through
+    its step, which takes the view."""
+    if target == "triton":
+        pytest.importorskip("triton")
+    torch.manual_seed(1)
+    args = [torch.randn(3, 5, 24), torch.randn(40, 24) / 5, torch.randn(40), torch.randn(40, 40) / 6,
+            torch.randn(24, 40) / 6, torch.randn(24)]
+    args = [a.to(dtype) for a in args]
+    compiled = egc.compile(mlp, args, target=target)
+    wrapper = compiled.levels.wrapper
+    assert wrapper.count("library: linear") == 3 and wrapper.count(", direct") >= 2, wrapper
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for _ in range(2):
+        torch.testing.assert_close(compiled(*args), mlp(*args), atol=tol, rtol=tol)
+
+    def viewed(x, w, b):  # x read through a transposed view: the step's own getters
+        return F.linear(x.transpose(0, 1), w, b)
+    x, w, b = torch.randn(24, 3).to(dtype), args[1], args[2]
+    compiled = egc.compile(viewed, [x, w, b], target=target)
+    assert ", direct" not in compiled.levels.wrapper, compiled.levels.wrapper
+    torch.testing.assert_close(compiled(x, w, b), viewed(x, w, b), atol=tol, rtol=tol)
