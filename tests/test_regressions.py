@@ -1044,3 +1044,28 @@ def test_random_calls_run_in_the_programs_order(target):
     torch.manual_seed(3)
     for got, expected in zip(compiled(x, y), want):
         torch.testing.assert_close(got, expected)
+
+
+def test_means_in_float_lanes_keep_infinities_overflow_and_constant_rows():
+    """C++ means sum in float lanes less the row's first term (codegen/cpp._shifted_mean); a
+    row whose shifted sum is not finite is summed again unshifted.  Rows with an inf first or
+    later, a NaN, terms that overflow once shifted (3e38 - -3e38), a first term far off the rest,
+    and constant rows of many magnitudes give torch's means and layer norms."""
+    n = 300
+    rows = torch.randn(10, n, generator=torch.Generator().manual_seed(3))
+    rows[0, 0] = float("inf")
+    rows[1, 7] = float("-inf")
+    rows[2, 3] = float("nan")
+    rows[3, :] = torch.tensor([3.0e38, -3.0e38]).repeat(n // 2)
+    rows[4, 0] = 1.0e30
+    rows[5, :] = 1234.567
+    rows[6, :] = -0.1
+    rows[7, :] = 3.0e-30
+    rows[8, 0] = 1.0e-30
+    for fn in (lambda x: x.mean(-1), lambda x: F.layer_norm(x, (n,)), lambda x: (x * x).mean(-1, keepdim=True) * x):
+        got, want = egc.compile(fn, [rows])(rows), fn(rows)
+        keep = torch.arange(10) != 3  # (torch's own float sums overflow on row 3: NaN)
+        torch.testing.assert_close(got[keep], want[keep], equal_nan=True, rtol=1e-5, atol=1e-5)
+    assert egc.compile(lambda x: x.mean(-1), [rows])(rows)[3] == 0  # (the exact mean, as the double sum gave)
+    x = rows[5:8]
+    assert torch.equal(egc.compile(lambda x: F.layer_norm(x, (n,)), [x])(x), torch.zeros(3, n))
