@@ -58,6 +58,8 @@ def markdown_table(rows, max_foreign_load: float = 0.1) -> str:
                      + (f"{cell_ms(row, 'inductor_max')} | " if autotuned else "")
                      + f"{cell_ms(row, 'ours')} | {fmt_x(row.get('speedup_vs_inductor'))} | "
                      f"{fmt_x(row.get('speedup_vs_eager'))} | {kernels_cell(row)} | {comp} |")
+    faulted = [f"{r['workload']} ({', '.join(f'{v} {n:.0f}' for v, n in r['faults_per_call'].items())})"
+               for r in rows if any(n >= 1 for n in r.get("faults_per_call", {}).values())]
     gi = geomean([r.get("speedup_vs_inductor") for r in rows])
     ge = geomean([r.get("speedup_vs_eager") for r in rows])
     n = sum(1 for r in rows if r.get("speedup_vs_inductor"))
@@ -68,6 +70,10 @@ def markdown_table(rows, max_foreign_load: float = 0.1) -> str:
     if noisy:
         lines.append("WARNING: other processes took a noticeable share of the CPUs while timing: "
                      + ", ".join(noisy) + "; treat those rows as noisy.")
+        lines.append("")
+    if faulted:
+        lines.append("Page faults per call (median; a fresh output's pages faulted in again, which depends on the "
+                     "heap the other variants leave): " + "; ".join(faulted) + ".")
         lines.append("")
     lines.append(f"speedup = baseline ms / ours ms (>1: ours faster; against the better of Inductor's default "
                  f"and max-autotune where both ran); geometric mean over the {n} workload(s) where both times exist.")

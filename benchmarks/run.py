@@ -35,6 +35,7 @@ import atexit
 import contextlib
 import json
 import os
+import resource
 import shutil
 import statistics
 import sys
@@ -102,6 +103,12 @@ def check(out, ref, tol: float, ref32=None) -> str | None:
     except AssertionError as exc:
         lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
         return "mismatch: " + "; ".join(lines[:3])
+
+
+def minor_faults() -> int:
+    """This process's minor page faults so far: a call whose fresh output's pages fault in again
+    pays for it in its time (where that happens depends on the heap other variants leave)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def time_block(fn, args, inner: int, device: str) -> float:
@@ -276,12 +283,14 @@ def bench_workload(name: str, args) -> dict:
     for attempt in range(args.retries + 1):
         row["quiet_wait_s"] = wait_quiet(args)
         for v in order:
-            row["rounds_ms"][v] = []
+            row["rounds_ms"][v], row.setdefault("faults_rounds", {})[v] = [], []
         meter = ForeignLoad()
         for r in range(args.reps):
             shift = r % len(order)
             for v in order[shift:] + order[:shift]:
+                faults = minor_faults()
                 row["rounds_ms"][v].append(1e3 * time_block(callables[v], inputs, row["inner"][v], device))
+                row["faults_rounds"][v].append((minor_faults() - faults) / row["inner"][v])
         row["foreign_load"] = meter.fraction()
         row["attempts"] = attempt + 1
         if row["foreign_load"] is None or row["foreign_load"] <= args.max_foreign_load:
@@ -292,6 +301,7 @@ def bench_workload(name: str, args) -> dict:
     for v in order:
         times = row["rounds_ms"][v]
         row["ms"][v] = statistics.median(times)
+        row.setdefault("faults_per_call", {})[v] = statistics.median(row["faults_rounds"][v])
         q = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3
         row.setdefault("spread", {})[v] = {"min": min(times), "p25": q[0], "p75": q[2], "max": max(times)}
     eager, ind_default, ind_max, ours_ms = (row["ms"].get(v) for v in VARIANTS)
