@@ -1,0 +1,50 @@
+"""Row means and the layer norms built on them, on long rows of drawn values (C++: float lanes
+within blocks, the blocks in double, a constant row exact, a non-finite sum redone in double
+lanes: codegen/cpp._exact_mean), against eager torch."""
+import functools
+
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import egraph_compiler as egc
+
+LENGTHS = [256, 300, 1024, 4099]
+PROGRAMS = {
+    "mean": lambda x: x.mean(-1),
+    "layer_norm": lambda x: F.layer_norm(x, x.shape[-1:]),
+    "rms": lambda x: x * torch.rsqrt((x * x).mean(-1, keepdim=True) + 1e-6),
+}
+SPECIAL = [float("inf"), float("-inf"), float("nan"), 0.0, -0.0, 1e30, -1e-30]
+
+
+@functools.cache
+def compiled(name: str, n: int):
+    return egc.compile(PROGRAMS[name], [torch.zeros(3, n)])
+
+
+@st.composite
+def rows(draw):
+    n = draw(st.sampled_from(LENGTHS))
+    seed = draw(st.integers(0, 2**31 - 1))
+    scale = draw(st.sampled_from([1e-3, 1.0, 1e4]))
+    x = torch.randn(3, n, generator=torch.Generator().manual_seed(seed)) * scale
+    if draw(st.booleans()):  # a constant row
+        x[draw(st.integers(0, 2))] = draw(st.floats(-1e6, 1e6, allow_nan=False, width=32))
+    for _ in range(draw(st.integers(0, 3))):  # special values anywhere, the first term among them
+        x[draw(st.integers(0, 2)), draw(st.sampled_from([0, 1, n // 2, n - 1]))] = draw(st.sampled_from(SPECIAL))
+    return x
+
+
+@settings(max_examples=60, deadline=None)
+@given(x=rows(), name=st.sampled_from(sorted(PROGRAMS)))
+def test_long_row_means_match_eager(x, name):
+    got, want = compiled(name, x.shape[-1])(x), PROGRAMS[name](x)
+    torch.testing.assert_close(got, want, equal_nan=True, rtol=2e-5, atol=2e-5)
+
+
+def test_a_constant_row_normalises_to_exactly_zero():
+    for n in LENGTHS:
+        x = torch.full((3, n), 0.1).mul(torch.tensor([[1.0], [-7.3], [1e5]]))
+        assert torch.equal(compiled("layer_norm", n)(x), torch.zeros(3, n))
