@@ -1,5 +1,6 @@
 """The benchmarks' correctness check below float32 (benchmarks/run.py `check`): another rounding
-order passes, a wrong answer or a less precise program does not."""
+order passes, a wrong answer or a less precise program does not; and the page-fault line under the
+benchmark's table."""
 import torch
 
 from benchmarks import run
@@ -39,3 +40,20 @@ def test_a_less_precise_program_fails():
     ref32, eager, _ = _case()
     coarse = (ref32 * 64).round() / 64  # 6 bits after the point: errors of up to 1/128 everywhere
     assert check(coarse.bfloat16(), eager, 1e-4, ref32) is not None
+
+
+def test_page_faults_are_listed_under_the_table_where_a_variant_faults():
+    """benchmarks.run counts each variant's minor page faults per call; the table lists them
+    where any variant faulted (eager's heap made Inductor's CPU softmax fault: BENCHMARKS.md)."""
+    from benchmarks.report import markdown_table
+
+    def row(name, faults):
+        return {"workload": name, "status": {}, "compile_s": {"inductor": 1.0, "ours": 0.5},
+                "ms": {"eager": 3.0, "inductor": 2.0, "ours": 1.0}, "speedup_vs_inductor": 2.0,
+                "speedup_vs_eager": 3.0, "faults_per_call": faults}
+    quiet = markdown_table([row("softmax", {"eager": 0, "inductor": 0, "ours": 0})])
+    assert "Page faults" not in quiet
+    loud = markdown_table([row("softmax", {"eager": 8160, "inductor": 203, "ours": 0}),
+                           row("ln_relu", {"eager": 0, "inductor": 0, "ours": 0})])
+    assert "softmax (eager 8160, inductor 203, ours 0)" in loud and "ln_relu (" not in loud
+    assert run.minor_faults() > 0  # (a process has faulted its pages in by now)
