@@ -229,32 +229,21 @@ def _render_loops(k: LoopKernel) -> str:
     return "\n".join(_hoist_rows(k, types, lines))
 
 
-SUM_BLOCK = 256  # a row's sum or mean: float lanes within blocks of this many elements, the blocks' sums in double
+SUM_BLOCK = 256  # a row's sum: float lanes within blocks of this many elements, the blocks' sums in double
 
 
 def _pass(k: LoopKernel, group: list, types, bounded: str | None) -> list[str]:
-    """One loop over the row for a group of reductions (`_passes`).  A group of sums and means runs
-    in blocks of SUM_BLOCK: float lanes inside a block (as fast as torch's own vector sums; the
-    double lanes they replaced cost a softmax kernel 16% on 16 cores, a layer norm's 28%), each
-    block's sum added in double (accurate as a cascade over long rows: tests/test_regressions.py).
-    A mean of a row of SUM_BLOCK terms or more keeps the row's least and greatest terms beside its
-    sum (`_exact_mean`)."""
-    lines, steps, clauses, finish = [], [], [], []
-    stash = len(k.reductions) - 1 if k.stash_last else None
-    # a short row's mean stays in double lanes (soak 28001's layer norm of three-term rows amplified
-    # the float sum's last bit: tests/test_differential.py)
-    long = isinstance(k.inner, int) and k.inner >= SUM_BLOCK
-    blocked = all(_combiner(red) == "sum" or (_combiner(red) == "mean" and i != stash and long) for i, red in group)
+    """One loop over the row for a group of reductions (`_passes`).  A group of sums runs in
+    blocks of SUM_BLOCK: float lanes inside a block (as fast as torch's own vector sums; the
+    double lanes they replaced cost a softmax kernel 16% on 16 cores), each block's sum added in
+    double (accurate as a cascade over long rows: tests/test_regressions.py)."""
+    lines, steps, clauses = [], [], []
+    blocked = all(_combiner(red) == "sum" for _, red in group)
     for i, red in group:
         init, pragma, step, _ = _REDUCTIONS[_combiner(red)]
         body = _expr(red.body, types)
         lines.append(init.format(acc=red.acc, ctype=CTYPES.get(red.dtype, "float")))
         step = step.format(acc=red.acc, v=body, ctype=CTYPES.get(red.dtype, "float"))[2:-2]
-        if blocked and _combiner(red) == "mean":
-            before, step, bounds, after = _exact_mean(red.acc, body, k.inner, pragma.format(acc=red.acc))
-            lines += before
-            pragma += bounds
-            finish += after
         if red.acc == bounded:  # the row's minimum beside its maximum
             lines.append(f"    float {red.acc}_lo = INFINITY;")
             step = step.replace(f"{red.acc} = std::max({red.acc}, v); ",
@@ -277,30 +266,8 @@ def _pass(k: LoopKernel, group: list, types, bounded: str | None) -> list[str]:
                   "      " + " ".join(f"{red.acc}_d += {red.acc}_p;" for _, red in group), "    }"]
     else:
         lines += ["    #pragma omp simd " + loop[0], f"    for (int64_t r = 0; r < {k.inner}; ++r) {{ {loop[1]} }}"]
-    return lines + finish + [_REDUCTIONS[_combiner(red)][3].format(acc=red.acc, n=k.inner) for _, red in group
-                             if _REDUCTIONS[_combiner(red)][3]]
-
-
-def _exact_mean(acc: str, body: str, n, pragma: str) -> tuple[list[str], str, str, list[str]]:
-    """A mean in float lanes that is exact on a constant row (padding, a masked position: its layer
-    norm is exactly the bias, as torch's), where the lanes' sum of n equal terms rounds: the row's
-    least and greatest terms are kept beside the sum, and where they are equal the mean is the
-    term itself.  Where the sum is not finite (an inf or NaN in the row, or terms that overflow
-    once summed in float) the row is summed again in double lanes, as before the blocks.
-    Returns the lines before the pass, its step, its pragma's added clauses, and the lines after
-    it, before the mean's division."""
-    before = [f"    float {acc}_lo = INFINITY, {acc}_hi = -INFINITY;"]
-    step = (f"const float {acc}_v = {body}; {acc}_d += {acc}_v; {acc}_lo = std::min({acc}_lo, {acc}_v); "
-            f"{acc}_hi = std::max({acc}_hi, {acc}_v);")
-    bounds = f" reduction(min:{acc}_lo) reduction(max:{acc}_hi)"
-    after = [f"    if (!std::isfinite({acc}_d)) {{",
-             f"      {acc}_d = 0.0;",
-             f"      {pragma.strip()}",
-             f"      for (int64_t r = 0; r < {n}; ++r) {{ {acc}_d += {body}; }}",
-             f"    }} else if ({acc}_lo == {acc}_hi) {{",
-             f"      {acc}_d = double({acc}_lo) * double({n});  // (a constant row: its mean is its term)",
-             "    }"]
-    return before, step, bounds, after
+    return lines + [_REDUCTIONS[_combiner(red)][3].format(acc=red.acc, n=k.inner) for _, red in group
+                    if _REDUCTIONS[_combiner(red)][3]]
 
 
 def _bounded_exps(k: LoopKernel, types) -> tuple[str | None, dict[str, str]]:

@@ -1,6 +1,7 @@
-"""Row means and the layer norms built on them, on long rows of drawn values (C++: float lanes
-within blocks, the blocks in double, a constant row exact, a non-finite sum redone in double
-lanes: codegen/cpp._exact_mean), against eager torch."""
+"""Row means and the layer norms built on them, on long rows of drawn values (constant rows,
+infinities, NaN, signed zeros, a far-off term), against eager torch.  Means in float lanes within
+blocks (as sums run) failed here: a layer norm over a row of 6.7e5 but one 0 amplified their error
+to 1.5e-3 of its outputs, where C++'s double-lane mean stays within torch's rounding."""
 import functools
 
 import torch
@@ -43,7 +44,10 @@ def rows(draw):
 @given(x=rows(), name=st.sampled_from(sorted(PROGRAMS)))
 def test_long_row_means_match_eager(x, name):
     got, want = compiled(name, x.shape[-1])(x), PROGRAMS[name](x)
-    torch.testing.assert_close(got, want, equal_nan=True, rtol=2e-5, atol=2e-5)
+    # a mean of terms of 1e4 that cancel to ~1 is off the exact one by 1e-4 in torch's float sums
+    # and in ours alike (both measured against float64): its tolerance is relative to the terms
+    terms = x.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).abs().mean().item() if name == "mean" else 1.0
+    torch.testing.assert_close(got, want, equal_nan=True, rtol=2e-5, atol=2e-5 * max(1.0, terms))
 
 
 def test_a_constant_row_normalises_to_exactly_zero():

@@ -1046,10 +1046,10 @@ def test_random_calls_run_in_the_programs_order(target):
         torch.testing.assert_close(got, expected)
 
 
-def test_means_in_float_lanes_keep_infinities_overflow_and_constant_rows():
-    """C++ means sum in float lanes less the row's first term (codegen/cpp._shifted_mean); a
-    row whose shifted sum is not finite is summed again unshifted.  Rows with an inf first or
-    later, a NaN, terms that overflow once shifted (3e38 - -3e38), a first term far off the rest,
+def test_long_row_means_keep_infinities_overflow_and_constant_rows():
+    """Long rows' means (C++: double lanes; float lanes within blocks were tried, first shifted
+    by the row's first term, which a far-off first term made 4e-5 wrong).  Rows with an inf first
+    or later, a NaN, terms that overflow in float (3e38 and -3e38), a first term far off the rest,
     and constant rows of many magnitudes give torch's means and layer norms."""
     n = 300
     rows = torch.randn(10, n, generator=torch.Generator().manual_seed(3))
