@@ -130,10 +130,11 @@ _REDUCTIONS = {
     "sum": ("    double {acc}_d = 0.0;",
             "    #pragma omp simd reduction(+:{acc}_d)",
             "{{ {acc}_d += {v}; }}", "    const float {acc} = static_cast<float>({acc}_d);"),
-    # a mean: the double sum divided before rounding, so a constant row's mean is exact
+    # a mean: the double sum divided before rounding, so a constant row's mean is exact (float lanes
+    # where a layer norm's variance follows: `_centred`)
     "mean": ("    double {acc}_d = 0.0;",
              "    #pragma omp simd reduction(+:{acc}_d)",
-             "{{ {acc}_d += {v}; }}", "    const float {acc} = static_cast<float>({acc}_d / double({n}));"),
+             "{{ {acc}_d += {v}; }}", "    float {acc} = static_cast<float>({acc}_d / double({n}));"),
     "max": ("    float {acc} = -INFINITY; int {acc}_nan = 0;",
             "    #pragma omp simd reduction(max:{acc}) reduction(|:{acc}_nan)",
             "{{ const float v = {v}; {acc} = std::max({acc}, v); {acc}_nan |= (v != v); }}",
@@ -203,8 +204,10 @@ def _render_loops(k: LoopKernel) -> str:
         lines.append(f"    alignas(64) float {STASH}[{k.inner}];")
     bounded, exps = _bounded_exps(k, types)
     split = None
-    for group in _passes(k):
-        lines += _pass(k, group, types, bounded)
+    groups = _passes(k)
+    centred = _centred(k, groups)
+    for at, group in enumerate(groups):
+        lines += _pass(k, group, types, bounded, centred, at)
         if any(red.acc == bounded for _, red in group):
             split = len(lines)
     stores = [(k.store_param, k.store_index, k.value, k.store_in_inner)] + list(k.extra_stores)
@@ -232,13 +235,16 @@ def _render_loops(k: LoopKernel) -> str:
 SUM_BLOCK = 256  # a row's sum: float lanes within blocks of this many elements, the blocks' sums in double
 
 
-def _pass(k: LoopKernel, group: list, types, bounded: str | None) -> list[str]:
+def _pass(k: LoopKernel, group: list, types, bounded: str | None, centred: dict, at: int) -> list[str]:
     """One loop over the row for a group of reductions (`_passes`).  A group of sums runs in
     blocks of SUM_BLOCK: float lanes inside a block (as fast as torch's own vector sums; the
     double lanes they replaced cost a softmax kernel 16% on 16 cores), each block's sum added in
-    double (accurate as a cascade over long rows: tests/test_regressions.py)."""
+    double (accurate as a cascade over long rows: tests/test_regressions.py).  So does a layer
+    norm's mean and variance (`_centred`); other means keep double lanes."""
     lines, steps, clauses = [], [], []
-    blocked = all(_combiner(red) == "sum" for _, red in group)
+    squares = {red.acc for _, (g, reds) in centred.items() if g == at for red in reds}
+    residues = {m: centred[m][1][0].body.args[0].args[0] for m, (g, _) in centred.items() if g == at}
+    blocked = all(_combiner(red) == "sum" or red.acc in centred or red.acc in squares for _, red in group)
     for i, red in group:
         init, pragma, step, _ = _REDUCTIONS[_combiner(red)]
         body = _expr(red.body, types)
@@ -254,20 +260,80 @@ def _pass(k: LoopKernel, group: list, types, bounded: str | None) -> list[str]:
                 _REDUCTIONS[red.combiner][2].format(acc=red.acc, v="s")[2:-2]
         steps.append(step)
         clauses.append(pragma.format(acc=red.acc).split("simd ", 1)[1])
+    for m, body in residues.items():  # the mean's residue, summed beside its squares
+        lines.append(f"    double {m}_c = 0.0;")
+        steps.append(f"{m}_q += ({_expr(body, types)}) - {m};")
+        clauses.append(f"reduction(+:{m}_q)")
     loop = " ".join(clauses), " ".join(steps)
     if blocked:
-        parts = [f"{red.acc}_p" for _, red in group]
+        parts = [f"{red.acc}_p" for _, red in group] + [f"{m}_q" for m in residues]
         rename = lambda text: _replace_all(text, {f"{red.acc}_d": f"{red.acc}_p" for _, red in group})
         lines += [f"    for (int64_t rb = 0; rb < {k.inner}; rb += {SUM_BLOCK}) {{",
                   "      " + " ".join(f"float {p} = 0.0f;" for p in parts),
                   "      #pragma omp simd " + rename(loop[0]),
                   f"      for (int64_t r = rb; r < std::min<int64_t>(rb + {SUM_BLOCK}, {k.inner}); ++r) "
                   f"{{ {rename(loop[1])} }}",
-                  "      " + " ".join(f"{red.acc}_d += {red.acc}_p;" for _, red in group), "    }"]
+                  "      " + " ".join([f"{red.acc}_d += {red.acc}_p;" for _, red in group]
+                                      + [f"{m}_c += {m}_q;" for m in residues]), "    }"]
     else:
         lines += ["    #pragma omp simd " + loop[0], f"    for (int64_t r = 0; r < {k.inner}; ++r) {{ {loop[1]} }}"]
-    return lines + [_REDUCTIONS[_combiner(red)][3].format(acc=red.acc, n=k.inner) for _, red in group
-                    if _REDUCTIONS[_combiner(red)][3]]
+    lines += [_REDUCTIONS[_combiner(red)][3].format(acc=red.acc, n=k.inner) for _, red in group
+              if _REDUCTIONS[_combiner(red)][3] and red.acc not in squares]
+    return lines + [line for m in residues for line in _corrected(k, m, centred[m][1], types)]
+
+
+def _centred(k: LoopKernel, groups: list) -> dict[str, tuple[int, list]]:
+    """A layer norm's mean m = mean(x) whose next pass sums only (x - m)^2 (and sums that do not
+    read m): {m: (that pass's position, its square reductions)}.  m is then summed in float lanes
+    (m0, ~1e-6 of the terms off), and the squares' pass also sums the residues x - m0, small and so
+    summed with small error: m = m0 + mean(x - m0), within torch's rounding (float lanes alone
+    made a layer norm over a row of 6.7e5 but one 0 1.5e-3 wrong: tests/test_means.py), and
+    sum((x - m)^2) = sum((x - m0)^2) - n * (m - m0)^2.  Two float passes for what took two
+    double ones (ln_relu's kernel 7% faster on 2 cores)."""
+    found = {}
+    for at, group in enumerate(groups[:-1]):
+        following = groups[at + 1]
+        for _, mean in group:
+            if _combiner(mean) != "mean":
+                continue
+            residue = Call("sub", (mean.body, Acc(mean.acc)))
+            readers = [red for _, red in following if contains(red.body, Acc(mean.acc))]
+            if readers and all(_combiner(red) in ("sum", "mean") and isinstance(red.body, Call) and red.body.op == "mul"
+                               and len(red.body.args) == 2 and all(_is_residue(a, residue) for a in red.body.args)
+                               and not (k.stash_last and red is k.reductions[-1]) for red in readers):
+                found[mean.acc] = (at + 1, readers)
+    # each pass in float blocks throughout: its other means centred too, its others sums
+    ok = lambda at, red: _combiner(red) == "sum" or red.acc in found or \
+        any(g == at and red in reds for g, reds in found.values())
+    return {m: (g, reds) for m, (g, reds) in found.items()
+            if all(ok(at, red) for at in (g - 1, g) for _, red in groups[at])}
+
+
+def _is_residue(e, residue: Call) -> bool:
+    return isinstance(e, Call) and e.op == "sub" and e.args == residue.args
+
+
+def _corrected(k: LoopKernel, m: str, squares: list, types) -> list[str]:
+    """After the squares' pass (`_centred`): m and its squares' sums corrected by the residue; a
+    result that is not finite (an inf or NaN term, or a block's float sum that overflowed where the
+    exact one does not) summed again in double lanes, m first."""
+    n, body = k.inner, _expr(squares[0].body.args[0].args[0], types)
+    lines = [f"    const double {m}_r = {m}_c / double({n});"]
+    for red in squares:  # (never below 0; 0 for a constant row, whose residues are a few ulps each, exact)
+        total = f"std::max(0.0, {red.acc}_d - double({n}) * {m}_r * {m}_r)"
+        lines.append(f"    float {red.acc} = static_cast<float>("
+                     + (f"({total}) / double({n})" if red.combiner == "mean" else total) + ");")
+    lines.append(f"    {m} = static_cast<float>(static_cast<double>({m}) + {m}_r);")
+    bad = " || ".join(f"!std::isfinite({a})" for a in [m] + [red.acc for red in squares])
+    lines += [f"    if ({bad}) {{", f"      double {m}_e = 0.0;", f"      #pragma omp simd reduction(+:{m}_e)",
+              f"      for (int64_t r = 0; r < {n}; ++r) {{ {m}_e += {body}; }}",
+              f"      {m} = static_cast<float>({m}_e / double({n}));"]
+    for red in squares:
+        lines += [f"      double {red.acc}_e = 0.0;", f"      #pragma omp simd reduction(+:{red.acc}_e)",
+                  f"      for (int64_t r = 0; r < {n}; ++r) {{ {red.acc}_e += {_expr(red.body, types)}; }}",
+                  f"      {red.acc} = static_cast<float>({red.acc}_e"
+                  + (f" / double({n})" if red.combiner == "mean" else "") + ");"]
+    return lines + ["    }"]
 
 
 def _bounded_exps(k: LoopKernel, types) -> tuple[str | None, dict[str, str]]:

@@ -1,7 +1,8 @@
 """Row means and the layer norms built on them, on long rows of drawn values (constant rows,
 infinities, NaN, signed zeros, a far-off term), against eager torch.  Means in float lanes within
 blocks (as sums run) failed here: a layer norm over a row of 6.7e5 but one 0 amplified their error
-to 1.5e-3 of its outputs, where C++'s double-lane mean stays within torch's rounding."""
+to 1.5e-3 of its outputs.  C++ now sums a layer norm's mean in float lanes and takes the residue
+out in its variance's pass (codegen/cpp.py `_centred`); other means keep double lanes."""
 import functools
 
 import torch
@@ -54,3 +55,23 @@ def test_a_constant_row_normalises_to_exactly_zero():
     for n in LENGTHS:
         x = torch.full((3, n), 0.1).mul(torch.tensor([[1.0], [-7.3], [1e5]]))
         assert torch.equal(compiled("layer_norm", n)(x), torch.zeros(3, n))
+
+
+def test_a_nearly_constant_row_normalises_within_torchs_rounding():
+    """The draw that float-lane means failed (a row of one value but one 0, or one far-off term):
+    the layer norm's mean, summed in float lanes, is corrected by its residues."""
+    g = torch.Generator().manual_seed(5)
+    for n in LENGTHS:
+        compiled_norm = compiled("layer_norm", n)
+        assert "acc0_r" in compiled_norm.source  # (the residue-corrected form, not double lanes)
+        x = (torch.rand(3, 1, generator=g) * 2e6 - 1e6).repeat(1, n)
+        x[0, n // 2] = 0.0
+        x[1, 0] *= 1.5
+        torch.testing.assert_close(compiled_norm(x), F.layer_norm(x, (n,)), rtol=2e-5, atol=2e-5)
+
+
+def test_a_constant_rows_variance_is_exactly_zero():
+    """sum((x - m)^2) less n times the residue's square: 0 for a constant row, never below it."""
+    x = torch.full((4, 300), 0.1) * torch.tensor([[1.0], [-7.3], [1e5], [3.3e-3]])
+    for fn in (lambda x: x.var(-1, unbiased=False), lambda x: ((x - x.mean(-1, keepdim=True)) ** 2).sum(-1)):
+        assert torch.equal(egc.compile(fn, [x])(x), torch.zeros(4))
