@@ -482,3 +482,29 @@ def test_compile_workers_fill_the_cache_the_first_launches_read(monkeypatch, tmp
     torch.cuda.synchronize()
     assert sorted(p.parent.name for p in (tmp_path / "triton").glob("*/*.cubin")) == before
     pool.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("head", [40, 64, 80, 128])
+def test_attention_picks_torchs_kernel_once_and_matches_it_bitwise(dtype, head):
+    """library._picked_once: torch's choice of a fused kernel made once per operand layout, the
+    kernel then called directly; the outputs are F.scaled_dot_product_attention's, bit for bit,
+    for dense and qkv-slice layouts, masks of every kind and causal attention, a second call
+    included (the cached pick) and a call on other strides (a pick of its own)."""
+    from egraph_compiler import library
+    b, h, n = 2, 4, 77
+    qkv = torch.randn(b, n, 3 * h * head, device="cuda", dtype=dtype)
+    sliced = [t.view(b, n, h, head).transpose(1, 2) for t in qkv.split(h * head, -1)]
+    dense = [torch.randn(b, h, n, head, device="cuda", dtype=dtype) for _ in range(3)]
+    masks = {None: None, "float": torch.randn(b, 1, n, n, device="cuda", dtype=dtype),
+             "bool": library.fused_kernel_mask(torch.rand(b, 1, n, n, device="cuda") > 0.3, n, dtype),
+             "per key": library.fused_kernel_mask(torch.zeros(b, 1, 1, n, device="cuda", dtype=dtype), n, dtype)}
+    with torch.no_grad():
+        for kind, mask in masks.items():
+            for causal in (False, True) if mask is None else (False,):
+                chosen = {}
+                call = library._picked_once(chosen, mask, causal, None)
+                for q, k, v in (dense, sliced, dense):
+                    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+                    assert torch.equal(library.on_cuda(call, q, k, v), want), (kind, causal)
+                assert len(chosen) >= 2  # (a pick per layout; a layout the kernel refuses adds its copies' pick)
