@@ -8,11 +8,16 @@ with one e-node of the chosen program banned (`relu(inline(x))` banned leaves
 then from each alternative found, banning one of its own e-nodes too, breadth
 first, until enough distinct programs are found or `budget` extractions ran.
 Distinct means a different kernel structure (`signature`): plans that differ only
-by commuted operands count once, at their cheapest.
+by commuted operands count once, at their cheapest; and different code once lowered
+(`code`): ln_relu's fused `layer_norm` and its decomposition render the same C++
+kernel, whose two plans timed 0.376 and 0.254 ms on 16 cores, a regret of the clock's
+alone (BENCHMARKS.md, thirty-first session).
 Every alternative is an equivalent program, so each must also match eager torch:
 the tests run them all (the chosen plan is not the only one that must be right).
 """
 from __future__ import annotations
+
+import re
 
 from .api import CompiledFunction, _check_examples
 from .egraph.greedy import chosen_enodes, extract_kernels
@@ -63,10 +68,23 @@ def alternatives(fn, example_inputs, count: int = 5, budget: int = 200, **option
             key = signature(plan)
             if key not in distinct or plan.cost < distinct[key].cost:
                 distinct[key] = plan
-    others = sorted((p for k, p in distinct.items() if k != signature(chosen)), key=lambda p: p.cost)[:count]
-    out = []
+    others = sorted((p for k, p in distinct.items() if k != signature(chosen)), key=lambda p: p.cost)
+    out, codes = [], set()
     for plan in [chosen] + others:
+        if len(out) > count:
+            break
         plan_levels = Levels(aten=levels.aten, graph=levels.graph, egraph=levels.egraph)
         executable = lower_and_load(plan, rules, target, opts, plan_levels)
-        out.append(CompiledFunction(executable, plan, report, plan_levels, fn=fn))
+        compiled = CompiledFunction(executable, plan, report, plan_levels, fn=fn)
+        if code(compiled) not in codes:
+            codes.add(code(compiled))
+            out.append(compiled)
     return out
+
+
+def code(compiled: CompiledFunction) -> tuple:
+    """What a compiled plan runs: its generated source with kernel and buffer numbers left out,
+    and its library and ATen steps in order."""
+    source = re.sub(r"\b(k|buf|t)\d+(_\d+)?\b", r"\1", compiled.source or "")
+    steps = tuple((k.kind, k.output.op) for k in compiled.plan.kernels if k.kind != "generated")
+    return source, steps
