@@ -20,7 +20,7 @@ PARALLEL_MIN = 1 << 15  # below this many elements, threads cost more than they 
 SCALAR_OPS = {
     "exp": "egc_exp({0})", "log": "logf({0})", "tanh": "tanhf({0})", "erf": "erff({0})",
     "cos": "cosf({0})", "sin": "sinf({0})", "floor": "floorf({0})", "log1p": "log1pf({0})", "expm1": "expm1f({0})",
-    "relu": "std::max({0}, 0.0f)", "sigmoid": "(1.0f / (1.0f + egc_exp(-({0}))))", "neg": "(-({0}))",
+    "relu": "egc_relu({0})", "sigmoid": "(1.0f / (1.0f + egc_exp(-({0}))))", "neg": "(-({0}))",
     "abs": "std::fabs({0})", "sqrt": "sqrtf({0})", "rsqrt": "(1.0f / sqrtf({0}))",
     "silu": "(({0}) / (1.0f + egc_exp(-({0}))))",
     "gelu": "(0.5f * ({0}) * (1.0f + erff(({0}) * 0.7071067811865476f)))",
@@ -97,6 +97,10 @@ static inline typename std::common_type<A, B>::type egc_where_row(C c, A a, B b)
     return c ? a : b;
   }
 }
+// relu by value: `std::max(in0[i], 0.0f)` returns a reference to the load or to the constant, and
+// g++ selected between their addresses, a branch per element (a relu of an input alone ran 34x
+// slower than torch's: 10.3 against 0.30 ms for 4M floats; std::max(x, 0) keeps a NaN)
+static inline float egc_relu(float x) { return std::max(x, 0.0f); }
 static inline float egc_maximum(float a, float b) { return (a != a || a > b) ? a : ((b != b) ? b : std::max(a, b)); }
 // exp without glibc's slow path: its vector expf runs scalar code for arguments below -87 (a
 // mask's -inf, finfo.min: 10x slower).  Those take exp(x + 87) * exp(-87) (exact to the
