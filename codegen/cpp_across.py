@@ -71,9 +71,12 @@ def tiled(k: LoopKernel, types, parallel: bool, expr, ctypes, index) -> list[str
     as a head's `o % 128` becomes the tile's constant part plus ol, read in order."""
     stores = [(p, i, v) for p, i, v, _ in tile_vars(k, TILE)]
     at = f"[rl * {TILE} + ol]"
-    compute = " ".join(f"tile{n}{at} = static_cast<{ctypes[types[p]]}>({expr(v)});"
-                       for n, (p, _, v) in enumerate(stores))
-    write = " ".join(f"{p}[{index(i)}] = tile{n}{at};" for n, (p, i, _) in enumerate(stores))
+    bits = {p for p, _, _ in stores if ctypes[types[p]] == "egc_bf16"}  # (bf16 tiles hold the bits: cpp._store)
+    tile_type = {p: "uint16_t" if p in bits else ctypes[types[p]] for p, _, _ in stores}
+    compute = " ".join(f"tile{n}{at} = egc_bf16_bits({expr(v)});" if p in bits else
+                       f"tile{n}{at} = static_cast<{ctypes[types[p]]}>({expr(v)});" for n, (p, _, v) in enumerate(stores))
+    write = " ".join(f"{f'reinterpret_cast<uint16_t*>({p})' if p in bits else p}[{index(i)}] = tile{n}{at};"
+                     for n, (p, i, _) in enumerate(stores))
     def loops(o_end: str, r_end: str) -> list[str]:
         return [f"        for (int64_t rl = 0; rl < {r_end}; ++rl) {{", "          #pragma omp simd",
                 f"          for (int64_t ol = 0; ol < {o_end}; ++ol) {{ {compute} }}", "        }",
@@ -84,7 +87,7 @@ def tiled(k: LoopKernel, types, parallel: bool, expr, ctypes, index) -> list[str
     return (["  #pragma omp parallel for collapse(2) schedule(static)"] if parallel else []) + [
         f"  for (int64_t ob = 0; ob < {-(-k.outer // TILE)}; ++ob) {{",
         f"    for (int64_t rb = 0; rb < {-(-k.inner // TILE)}; ++rb) {{"] + [
-        f"      alignas(64) {ctypes[types[p]]} tile{n}[{TILE * TILE}];" for n, (p, _, _) in enumerate(stores)] + [
+        f"      alignas(64) {tile_type[p]} tile{n}[{TILE * TILE}];" for n, (p, _, _) in enumerate(stores)] + [
         f"      if ((ob + 1) * {TILE} <= {k.outer} && (rb + 1) * {TILE} <= {k.inner}) {{"] + loops(
         str(TILE), str(TILE)) + [
         "      } else {"] + loops(f"std::min<int64_t>({TILE}, {k.outer} - ob * {TILE})",
