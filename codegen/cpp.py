@@ -46,6 +46,10 @@ __attribute__((simd("notinbranch"))) float erff(float);
 __attribute__((simd("notinbranch"))) float cosf(float);
 __attribute__((simd("notinbranch"))) float sinf(float);
 __attribute__((simd("notinbranch"))) float powf(float, float);
+#if __GLIBC__ > 2 || (__GLIBC__ == 2 && __GLIBC_MINOR__ >= 35)  // (added to libmvec in glibc 2.35; scalar
+__attribute__((simd("notinbranch"))) float log1pf(float);       // calls before: log1p 19x and expm1 5x
+__attribute__((simd("notinbranch"))) float expm1f(float);       // slower than torch's)
+#endif
 }
 #endif
 #include <cstring>
