@@ -474,7 +474,7 @@ def test_transposing_kernels_run_in_tiles(name):
     torch.testing.assert_close(compiled(x), fn(x))
 
 
-COLUMN_SUMS = {  # sums over a matrix's rows, read across them: C++ runs columns of accumulators (cpp_across.columns)
+COLUMN_SUMS = {  # sums (and maxima) over a matrix's rows, read across them: C++ runs columns of accumulators (cpp_across.columns)
     "bias_grad": (lambda x: x.sum(0), (512, 1024), torch.float32),
     "mean_keepdim_and_a_broadcast_row_weight": (lambda x: (x * x[:, :1]).mean(0, keepdim=True) - 1.0, (300, 40),
                                                 torch.float32),
@@ -487,7 +487,26 @@ COLUMN_SUMS = {  # sums over a matrix's rows, read across them: C++ runs columns
     "no_rows": (lambda x: (x.sum(0), x.mean(0)), (0, 64), torch.float32),
     "one_row": (lambda x: x.sum(0) + 1.0, (1, 64), torch.float32),
     "long_columns": (lambda x: x.sum(0), (20000, 24), torch.float32),
+    # maxima per column, with a NaN flag beside each (as a row's max)
+    "amax": (lambda x: x.amax(0), (512, 1024), torch.float32),
+    "amax_and_a_sum_one_pass": (lambda x: x.amax(0, keepdim=True) * x.sum(0), (300, 40), torch.float32),
+    "amax_bf16": (lambda x: x.amax(0), (700, 48), torch.bfloat16),
 }
+
+
+def test_column_maxima_keep_nan_inf_and_signed_zeros():
+    """A column of -inf, one with a NaN among finite values, one of -0.0 and 0.0, a lone inf."""
+    x = torch.randn(300, 40)
+    x[:, 0] = float("-inf")
+    x[17, 1] = float("nan")
+    x[:, 2] = -0.0
+    x[5, 2] = 0.0
+    x[9, 3] = float("inf")
+    compiled = egraph_compiler.compile(lambda x: x.amax(0), [x])
+    assert "ob +=" in compiled.source
+    got, want = compiled(x), x.amax(0)
+    assert torch.equal(got.isnan(), want.isnan())
+    torch.testing.assert_close(got, want, equal_nan=True, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("name", sorted(COLUMN_SUMS))
