@@ -15,6 +15,7 @@ from .walker import NARROW_INTEGERS, Target, float_literal, render_expr, render_
 CTYPES = {"float32": "float", "float64": "double", "bool": "bool", "int64": "int64_t", "int32": "int32_t",
           "float16": "_Float16", "bfloat16": "egc_bf16", "uint8": "uint8_t", "int8": "int8_t", "int16": "int16_t"}
 NARROW_CTYPES = ("_Float16", "egc_bf16")  # stored narrow, loaded into float: kernels compute in float32
+STORE_BITS = {"egc_bf16": "egc_bf16_bits"}  # a result of this C type is written as its bits (the prelude's egc_bf16)
 PARALLEL_MIN = 1 << 15  # below this many elements, threads cost more than they save
 
 SCALAR_OPS = {
@@ -201,7 +202,7 @@ def _render_loops(k: LoopKernel) -> str:
     types = {p.name: p.dtype for p in k.params}
     lines = [_signature(k)]
     if transposed_reads(k) and k.outer >= TILE and k.inner >= TILE:
-        return "\n".join(lines + tiled(k, types, parallel, lambda e: _expr(e, types), CTYPES,
+        return "\n".join(lines + tiled(k, types, parallel, lambda e: _expr(e, types), CTYPES, STORE_BITS,
                                         lambda i: render_index(i, TARGET)))
     if column_reduction(k, _combiner):
         finish = lambda red: _REDUCTIONS[_combiner(red)][3].format(acc=red.acc, n=k.inner)
@@ -254,7 +255,7 @@ def _pass(k: LoopKernel, group: list, types, bounded: str | None, centred: dict,
     norm's mean and variance (`_centred`); other means keep double lanes."""
     lines, steps, clauses = [], [], []
     squares = {red.acc for _, (g, reds) in centred.items() if g == at for red in reds}
-    residues = {m: centred[m][1][0].body.args[0].args[0] for m, (g, _) in centred.items() if g == at}
+    residues = {m: _centred_terms(reds) for m, (g, reds) in centred.items() if g == at}
     blocked = all(_combiner(red) == "sum" or red.acc in centred or red.acc in squares for _, red in group)
     for i, red in group:
         init, pragma, step, _ = _REDUCTIONS[_combiner(red)]
@@ -320,6 +321,11 @@ def _centred(k: LoopKernel, groups: list) -> dict[str, tuple[int, list]]:
             if all(ok(at, red) for at in (g - 1, g) for _, red in groups[at])}
 
 
+def _centred_terms(squares: list):
+    """The mean's terms x, read off its squares (x - m) * (x - m)."""
+    return squares[0].body.args[0].args[0]
+
+
 def _is_residue(e, residue: Call) -> bool:
     return isinstance(e, Call) and e.op == "sub" and e.args == residue.args
 
@@ -328,7 +334,7 @@ def _corrected(k: LoopKernel, m: str, squares: list, types) -> list[str]:
     """After the squares' pass (`_centred`): m and its squares' sums corrected by the residue; a
     result that is not finite (an inf or NaN term, or a block's float sum that overflowed where the
     exact one does not) summed again in double lanes, m first."""
-    n, body = k.inner, _expr(squares[0].body.args[0].args[0], types)
+    n, body = k.inner, _expr(_centred_terms(squares), types)
     lines = [f"    const double {m}_r = {m}_c / double({n});"]
     for red in squares:  # (never below 0; 0 for a constant row, whose residues are a few ulps each, exact)
         total = f"std::max(0.0, {red.acc}_d - double({n}) * {m}_r * {m}_r)"
@@ -419,8 +425,9 @@ def _passes(k: LoopKernel) -> list[list]:
 
 
 def _store(param, index, value, types) -> str:
-    if types[param] == "bfloat16":
-        return f"reinterpret_cast<uint16_t*>({param})[{render_index(index, TARGET)}] = egc_bf16_bits({_expr(value, types)});"
+    bits = STORE_BITS.get(CTYPES[types[param]])
+    if bits:
+        return f"reinterpret_cast<uint16_t*>({param})[{render_index(index, TARGET)}] = {bits}({_expr(value, types)});"
     return f"{param}[{render_index(index, TARGET)}] = static_cast<{CTYPES[types[param]]}>({_expr(value, types)});"
 
 

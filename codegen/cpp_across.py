@@ -71,7 +71,7 @@ def columns(k: LoopKernel, parallel: bool, expr, finish, block: int, store_lines
     return lines + ["    }", "  }", "}"]
 
 
-def tiled(k: LoopKernel, types, parallel: bool, expr, ctypes, index) -> list[str]:
+def tiled(k: LoopKernel, types, parallel: bool, expr, ctypes, store_bits, index) -> list[str]:
     """A pointwise kernel that reads across rows (a transpose), in TILE x TILE tiles: its
     values computed in a vector loop along the reads (contiguous there) into a tile on the
     stack, then stored in a vector loop along the stores.  Along the stores alone, every
@@ -82,9 +82,10 @@ def tiled(k: LoopKernel, types, parallel: bool, expr, ctypes, index) -> list[str
     as a head's `o % 128` becomes the tile's constant part plus ol, read in order."""
     stores = [(p, i, v) for p, i, v, _ in tile_vars(k, TILE)]
     at = f"[rl * {TILE} + ol]"
-    bits = {p for p, _, _ in stores if ctypes[types[p]] == "egc_bf16"}  # (bf16 tiles hold the bits: cpp._store)
+    # (a narrow result's tile holds its bits, written as cpp._store writes them: `store_bits`)
+    bits = {p: store_bits[ctypes[types[p]]] for p, _, _ in stores if ctypes[types[p]] in store_bits}
     tile_type = {p: "uint16_t" if p in bits else ctypes[types[p]] for p, _, _ in stores}
-    compute = " ".join(f"tile{n}{at} = egc_bf16_bits({expr(v)});" if p in bits else
+    compute = " ".join(f"tile{n}{at} = {bits[p]}({expr(v)});" if p in bits else
                        f"tile{n}{at} = static_cast<{ctypes[types[p]]}>({expr(v)});" for n, (p, _, v) in enumerate(stores))
     write = " ".join(f"{f'reinterpret_cast<uint16_t*>({p})' if p in bits else p}[{index(i)}] = tile{n}{at};"
                      for n, (p, i, _) in enumerate(stores))
