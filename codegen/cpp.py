@@ -10,12 +10,15 @@ from egraph_compiler.pieces import pieces, strips
 
 from .cpp_across import TILE, column_reduction, columns, tiled
 from .cpp_load import SIZED, load
+from .cpp_prelude import PRELUDE
 from .walker import NARROW_INTEGERS, Target, float_literal, render_expr, render_index
 
 CTYPES = {"float32": "float", "float64": "double", "bool": "bool", "int64": "int64_t", "int32": "int32_t",
           "float16": "_Float16", "bfloat16": "egc_bf16", "uint8": "uint8_t", "int8": "int8_t", "int16": "int16_t"}
 NARROW_CTYPES = ("_Float16", "egc_bf16")  # stored narrow, loaded into float: kernels compute in float32
-STORE_BITS = {"egc_bf16": "egc_bf16_bits"}  # a result of this C type is written as its bits (the prelude's egc_bf16)
+# a result of this C type is written as its bits, one of this type read through `LOAD_BITS` (cpp_prelude)
+STORE_BITS = {"egc_bf16": "egc_bf16_bits", "_Float16": "egc_f16_bits"}
+LOAD_BITS = {"_Float16": "egc_h2f"}
 PARALLEL_MIN = 1 << 15  # below this many elements, threads cost more than they save
 
 SCALAR_OPS = {
@@ -33,105 +36,6 @@ SCALAR_OPS = {
     "eq": "(({0}) == ({1}))", "ne": "(({0}) != ({1}))",
     "where": "egc_where({0}, {1}, {2})", "where_row": "egc_where_row({0}, {1}, {2})",
 }
-
-PRELUDE = """#include <cmath>
-#include <limits>
-#include <cstdint>
-#include <algorithm>
-#ifdef EGC_VECTOR_MATH  // glibc's vector math library: SIMD variants of these, for `omp simd` loops
-extern "C" {
-__attribute__((simd("notinbranch"))) float expf(float);
-__attribute__((simd("notinbranch"))) float logf(float);
-__attribute__((simd("notinbranch"))) float tanhf(float);
-__attribute__((simd("notinbranch"))) float erff(float);
-__attribute__((simd("notinbranch"))) float cosf(float);
-__attribute__((simd("notinbranch"))) float sinf(float);
-__attribute__((simd("notinbranch"))) float powf(float, float);
-#if __GLIBC__ > 2 || (__GLIBC__ == 2 && __GLIBC_MINOR__ >= 35)  // (added to libmvec in glibc 2.35; scalar
-__attribute__((simd("notinbranch"))) float log1pf(float);       // calls before: log1p 19x and expm1 5x
-__attribute__((simd("notinbranch"))) float expm1f(float);       // slower than torch's)
-#endif
-}
-#endif
-#include <cstring>
-#include <type_traits>
-// bfloat16 storage: the top half of a float, rounded to nearest even (NaN stays NaN).  Stores
-// write the bits (egc_bf16_bits): a struct assigned in an `omp simd` loop became a per-lane
-// array of temporaries that g++ left scalar (a float -> bf16 cast of 2M floats: 1.6 ms, torch 0.1)
-static inline uint16_t egc_bf16_bits(float f) {
-  const uint32_t u = __builtin_bit_cast(uint32_t, f);
-  return (f != f) ? uint16_t(0x7fc0) : uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-struct egc_bf16 {
-  uint16_t bits;
-  egc_bf16() = default;
-  egc_bf16(float f) : bits(egc_bf16_bits(f)) {}
-  operator float() const { return __builtin_bit_cast(float, uint32_t(bits) << 16); }
-};
-// a cast inside a kernel: rounded to the dtype, computed on in float where the dtype is narrow
-template <class T> struct egc_compute { using type = T; };
-template <> struct egc_compute<_Float16> { using type = float; };
-template <> struct egc_compute<egc_bf16> { using type = float; };
-template <class T, class S> static inline typename egc_compute<T>::type egc_cast(S x) {
-  if constexpr (std::is_integral<T>::value) {
-    return static_cast<T>(x);  // integers exactly (a float truncates toward zero, as in torch)
-  } else {
-    return static_cast<typename egc_compute<T>::type>(static_cast<T>(static_cast<float>(x)));
-  }
-}
-// where(c, a, b) with both values computed (as torch computes both): written as `c ? a : b`, g++
-// reads a's loads only where c holds, a masked load that it leaves unvectorised without AVX-512
-// (a causal mask's softmax ran scalar: 1.33 ms for 262k elements)
-template <class C, class A, class B>
-static inline typename std::common_type<A, B>::type egc_where(C c, A a, B b) { return c ? a : b; }
-// ...and where c is the same for a whole row (ViT's cat of its class token and its patches, read
-// under a layer norm), g++ still sinks the loads into a branch and the row's loops run scalar.
-// For floats the choice is then made on the bits (a mask of all ones or all zeros), which leaves
-// nothing to sink: 123 -> 58 us for that kernel on 2 cores.  (Not for every where: a per-element
-// mask's blend is one instruction, the bits three: +10% on a [1024, 1024] where.)
-template <class C, class A, class B>
-static inline typename std::common_type<A, B>::type egc_where_row(C c, A a, B b) {
-  using T = typename std::common_type<A, B>::type;
-  if constexpr (std::is_same<T, float>::value) {
-    const float x = a, y = b;
-    uint32_t ux, uy;
-    std::memcpy(&ux, &x, 4);
-    std::memcpy(&uy, &y, 4);
-    const uint32_t m = -static_cast<uint32_t>(c != 0), u = (ux & m) | (uy & ~m);
-    float out;
-    std::memcpy(&out, &u, 4);
-    return out;
-  } else {
-    return c ? a : b;
-  }
-}
-// relu by value: `std::max(in0[i], 0.0f)` returns a reference to the load or to the constant, and
-// g++ selected between their addresses, a branch per element (a relu of an input alone ran 34x
-// slower than torch's: 10.3 against 0.30 ms for 4M floats; std::max(x, 0) keeps a NaN)
-static inline float egc_relu(float x) { return std::max(x, 0.0f); }
-static inline float egc_maximum(float a, float b) { return (a != a || a > b) ? a : ((b != b) ? b : std::max(a, b)); }
-// exp without glibc's slow path: its vector expf runs scalar code for arguments below -87 (a
-// mask's -inf, finfo.min: 10x slower).  Those take exp(x + 87) * exp(-87) (exact to the
-// denormal result's own rounding; 0 below -104, as expf's is).  The shift and factor are
-// chosen by bit masks: g++ turns expf of a select into a select of two expf calls (or of
-// expf(x) and a constant, the slow call again); the floor is a variable so that it cannot
-// fold expf(-104) either
-float egc_exp_floor = -105.0f;  // exp(-105 + 87) * exp(-87) rounds to 0, as exp(x) does from -103.97 down
-static inline float egc_exp(float x) {
-  const float t = std::max(x, egc_exp_floor);  // (-inf -> the floor; NaN stays NaN)
-  const int32_t tail = -static_cast<int32_t>(t < -87.0f);  // all ones below -87
-  const int32_t shift_bits = tail & 0x42AE0000, factor_bits = (tail & 0x00B33687) | (~tail & 0x3F800000);
-  float shift, factor;  // 87.0f or 0.0f; exp(-87) or 1.0f
-  std::memcpy(&shift, &shift_bits, 4);
-  std::memcpy(&factor, &factor_bits, 4);
-  return expf(t + shift) * factor;
-}
-// a gather's row: one out of range is never read (row 0 instead), and sets the kernel's error flag
-static inline int64_t egc_row(int64_t i, int64_t rows, int32_t* err) {
-  if (i < 0 || i >= rows) { __atomic_store_n(err, 1, __ATOMIC_RELAXED); return 0; }
-  return i;
-}
-"""
 
 # A sum accumulates in double lanes: float lanes of a long row drift by ~sqrt(n) ulps
 # of the running sum (torch sums float32 in cascade; 1e-6..1e-3 relative apart over
@@ -166,8 +70,10 @@ def _combiner(red) -> str:
 def _expr(e, types: dict[str, str]) -> str:
     """`types`: the kernel's parameter -> dtype; narrow (fp16/bf16) loads are widened to float."""
     def load(e) -> str:
-        text = f"{e.param}[{render_index(e.index, TARGET)}]"
-        return f"static_cast<float>({text})" if CTYPES.get(types.get(e.param)) in NARROW_CTYPES else text
+        index, ctype = render_index(e.index, TARGET), CTYPES.get(types.get(e.param))
+        if ctype in LOAD_BITS:
+            return f"{LOAD_BITS[ctype]}(reinterpret_cast<const uint16_t*>({e.param})[{index}])"
+        return f"static_cast<float>({e.param}[{index}])" if ctype in NARROW_CTYPES else f"{e.param}[{index}]"
     return render_expr(e, TARGET, load, types=types)
 
 
@@ -426,6 +332,8 @@ def _passes(k: LoopKernel) -> list[list]:
 
 def _store(param, index, value, types) -> str:
     bits = STORE_BITS.get(CTYPES[types[param]])
+    if isinstance(value, Call) and value.op == "cast" and value.dtype == types[param] and bits:
+        value = value.args[0]  # (rounded by the store itself: an fp16 cast's rounding was made twice)
     if bits:
         return f"reinterpret_cast<uint16_t*>({param})[{render_index(index, TARGET)}] = {bits}({_expr(value, types)});"
     return f"{param}[{render_index(index, TARGET)}] = static_cast<{CTYPES[types[param]]}>({_expr(value, types)});"

@@ -285,3 +285,29 @@ def test_bf16_stores_round_as_torch_bit_for_bit():
         nan = want.isnan()  # (a NaN's bits are its own: torch's vector path gives 0xffff here, ours 0x7fc0)
         assert got.dtype == torch.bfloat16 and torch.equal(got.isnan(), nan)
         assert torch.equal(got.view(torch.int16)[~nan], want.view(torch.int16)[~nan])
+
+
+def test_fp16_loads_and_stores_are_torch_conversions_bit_for_bit():
+    """C++ reads and writes float16 as bits through F16C's vector conversions (cpp_prelude's
+    egc_h2f / egc_f2h, declared SIMD functions: g++ 12 left every _Float16 loop scalar).  Every
+    one of the 65,536 halves widens as torch widens it; floats round to nearest even as torch
+    rounds them (ties both ways, overflow to inf, denormal halves, signed zeros), along rows and
+    across them (a transposed kernel's tiles); a cast inside a kernel rounds once."""
+    halves = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.float16).reshape(256, 256)
+    got, want = egc.compile(lambda h: h.float(), [halves])(halves), halves.float()
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan) and torch.equal(got.view(torch.int32)[~nan], want.view(torch.int32)[~nan])
+    ulp = 2.0 ** -10
+    special = torch.tensor([float("nan"), float("inf"), float("-inf"), -0.0, 0.0, 65504.0, 65519.0, 65520.0, 1e6,
+                            1 + ulp / 2, 1 + 3 * ulp / 2, -(1 + ulp / 2), 2.0 ** -24, 2.0 ** -25, 3 * 2.0 ** -26,
+                            2.0 ** -14 * (1 - ulp / 2), 6.0e-8, -6.0e-8, 1e-30])
+    x = torch.randn(96, 80) * torch.logspace(-9, 5, 80)
+    x.view(-1)[:special.numel() * 40:40] = special
+    for fn in (lambda x: x.to(torch.float16), lambda x: (x * 3).to(torch.float16),
+               lambda x: x.t().to(torch.float16), lambda x: torch.relu(x.t() * 2).to(torch.float16),
+               lambda x: x.to(torch.float16).float() * 2):  # (rounded to half inside the kernel)
+        got, want = egc.compile(fn, [x])(x), fn(x)
+        nan = want.isnan()
+        assert got.dtype == want.dtype and torch.equal(got.isnan(), nan)
+        bits = torch.int16 if want.dtype == torch.float16 else torch.int32
+        assert torch.equal(got.view(bits)[~nan], want.view(bits)[~nan])
