@@ -67,14 +67,15 @@ def _combiner(red) -> str:
     return red.combiner if red.dtype not in CTYPES or red.dtype.startswith("float") else f"int {red.combiner}"
 
 
-def _expr(e, types: dict[str, str]) -> str:
-    """`types`: the kernel's parameter -> dtype; narrow (fp16/bf16) loads are widened to float."""
+def _expr(e, types: dict[str, str], acc=str) -> str:
+    """`types`: the kernel's parameter -> dtype; narrow (fp16/bf16) loads are widened to float;
+    `acc(name)`: an accumulator's text (its name; a column's element in `cpp_across.columns`)."""
     def load(e) -> str:
         index, ctype = render_index(e.index, TARGET), CTYPES.get(types.get(e.param))
         if ctype in LOAD_BITS:
             return f"{LOAD_BITS[ctype]}(reinterpret_cast<const uint16_t*>({e.param})[{index}])"
         return f"static_cast<float>({e.param}[{index}])" if ctype in NARROW_CTYPES else f"{e.param}[{index}]"
-    return render_expr(e, TARGET, load, types=types)
+    return render_expr(e, TARGET, load, acc, types=types)
 
 
 # bool buffers are read and written through uint8_t (torch stores them as bytes 0/1): g++ finds no
@@ -112,9 +113,8 @@ def _render_loops(k: LoopKernel) -> str:
                                         lambda i: render_index(i, TARGET)))
     if column_reduction(k, _combiner):
         finish = lambda red: _REDUCTIONS[_combiner(red)][3].format(acc=red.acc, n=k.inner)
-        stores = lambda: [_store(p, i, v, types) for p, i, v, _ in [(k.store_param, k.store_index, k.value, False)]
-                          + list(k.extra_stores)]
-        return "\n".join(lines + columns(k, parallel, lambda e: _expr(e, types), finish, SUM_BLOCK, stores))
+        store = lambda p, i, v, acc: _store(p, i, v, types, acc)
+        return "\n".join(lines + columns(k, parallel, lambda e, acc: _expr(e, types, acc), finish, SUM_BLOCK, store))
     if parallel:
         lines.append("  #pragma omp parallel for schedule(static)")
     lines.append(f"  for (int64_t o = 0; o < {k.outer}; ++o) {{")
@@ -330,13 +330,13 @@ def _passes(k: LoopKernel) -> list[list]:
     return [g for g in groups if g]
 
 
-def _store(param, index, value, types) -> str:
+def _store(param, index, value, types, acc=str) -> str:
     bits = STORE_BITS.get(CTYPES[types[param]])
     if isinstance(value, Call) and value.op == "cast" and value.dtype == types[param] and bits:
         value = value.args[0]  # (rounded by the store itself: an fp16 cast's rounding was made twice)
     if bits:
-        return f"reinterpret_cast<uint16_t*>({param})[{render_index(index, TARGET)}] = {bits}({_expr(value, types)});"
-    return f"{param}[{render_index(index, TARGET)}] = static_cast<{CTYPES[types[param]]}>({_expr(value, types)});"
+        return f"reinterpret_cast<uint16_t*>({param})[{render_index(index, TARGET)}] = {bits}({_expr(value, types, acc)});"
+    return f"{param}[{render_index(index, TARGET)}] = static_cast<{CTYPES[types[param]]}>({_expr(value, types, acc)});"
 
 
 def render_program(kernels: list[LoopKernel]) -> str:

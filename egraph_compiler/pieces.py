@@ -82,10 +82,10 @@ def _restrict(k: LoopKernel, var: str, lo: int, n: int) -> LoopKernel:
 
 
 def _shift(index: Affine, var: str, lo: int, n: int) -> Affine:
-    return _put(index, var, Affine.var(var, n) + Affine.of(lo))
+    return put_index(index, var, Affine.var(var, n) + Affine.of(lo))
 
 
-def _put(index: Affine, var: str, value: Affine) -> Affine:
+def put_index(index: Affine, var: str, value: Affine) -> Affine:
     """`index` with the loop variable `var` replaced by `value`, its divisions and modulos
     re-derived (and simplified by the new variables' ranges)."""
     out = Affine.of(index.const)
@@ -93,25 +93,25 @@ def _put(index: Affine, var: str, value: Affine) -> Affine:
         if term[0] == "var":
             part = value if term[1] == var else Affine(((term, 1),))
         else:
-            inner = _put(term[1], var, value)
+            inner = put_index(term[1], var, value)
             part = inner.floordiv(term[2]) if term[0] == "div" else inner.mod(term[2])
         out = out + part.scale(coeff)
     return out
 
 
 def _shift_expr(e, var: str, lo: int, n: int):
-    return _put_expr(e, var, Affine.var(var, n) + Affine.of(lo))
+    return put_expr(e, var, Affine.var(var, n) + Affine.of(lo))
 
 
-def _put_expr(e, var: str, value: Affine):
+def put_expr(e, var: str, value: Affine):
     if isinstance(e, Load):
-        return Load(e.param, _put(e.index, var, value))
+        return Load(e.param, put_index(e.index, var, value))
     if isinstance(e, Index):
-        return Index(_put(e.index, var, value))
+        return Index(put_index(e.index, var, value))
     if isinstance(e, Call):
-        return Call(e.op, tuple(_put_expr(a, var, value) for a in e.args), e.dtype)
+        return Call(e.op, tuple(put_expr(a, var, value) for a in e.args), e.dtype)
     if isinstance(e, Gather):
-        return Gather(_put_expr(e.value, var, value), e.var, _put_expr(e.row, var, value), e.rows)
+        return Gather(put_expr(e.value, var, value), e.var, put_expr(e.row, var, value), e.rows)
     return e
 
 
@@ -128,9 +128,9 @@ def strips(k: LoopKernel):
                      if t[0] in ("mod", "div") and t[1] == row})
     for m in (m for m in moduli if 8 <= m < k.inner and k.inner % m == 0):
         value = Affine.var("rl", m) + Affine.var("rh", k.inner // m).scale(m)
-        ex = lambda e: _put_expr(e, "r", value)
-        split = replace(k, reductions=[], store_index=_put(k.store_index, "r", value), value=ex(k.value),
-                        extra_stores=[(p, _put(i, "r", value), ex(v), inner) for p, i, v, inner in k.extra_stores])
+        ex = lambda e: put_expr(e, "r", value)
+        split = replace(k, reductions=[], store_index=put_index(k.store_index, "r", value), value=ex(k.value),
+                        extra_stores=[(p, put_index(i, "r", value), ex(v), inner) for p, i, v, inner in k.extra_stores])
         if not any(t[0] != "var" and "rl" in _names(t[1]) for e in expressions(split) for load in loads(e)
                    for t, _ in load.index.terms):
             return m, split
@@ -142,8 +142,8 @@ def tile_vars(k: LoopKernel, tile: int) -> list:
     o as `ol + tile*ob`, r as `rl + tile*rb` (ol, rl in 0..tile-1), indices re-derived."""
     o = Affine.var("ol", tile) + Affine.var("ob", -(-k.outer // tile)).scale(tile)
     r = Affine.var("rl", tile) + Affine.var("rb", -(-k.inner // tile)).scale(tile)
-    put = lambda i: _put(_put(i, "o", o), "r", r)
-    ex = lambda e: _put_expr(_put_expr(e, "o", o), "r", r)
+    put = lambda i: put_index(put_index(i, "o", o), "r", r)
+    ex = lambda e: put_expr(put_expr(e, "o", o), "r", r)
     return [(p, put(i), ex(v), inner) for p, i, v, inner in
             [(k.store_param, k.store_index, k.value, k.store_in_inner)] + list(k.extra_stores)]
 
