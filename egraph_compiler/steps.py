@@ -214,12 +214,14 @@ class TorchSteps:
             return out
         return into
 
-    def linear_direct(self, node: Node):
+    def linear_direct(self, node: Node, transposed: bool = False):
         """`linear_into` for operands the wrapper holds itself (wrapper.direct_operands): x a
         contiguous tensor of its node's shape, the weight and bias any tensors.  The call takes
         them as arguments and the out buffer last, and sees x and out as matrices through
         `reinterpret`: no environment, no getters, no views made by `reshape` (BERT's linear at
-        --size test took 10 us a call through linear_into, 6 as a bare `addmm`)."""
+        --size test took 10 us a call through linear_into, 6 as a bare `addmm`).  `transposed`:
+        the wrapper passes the matrix the weight is the transpose of ([in, out]), addmm's own
+        operand."""
         n, k = node.args[1].shape
         rows = math.prod(node.shape) // n if n else 0
         addmm, mm = torch.addmm, torch.mm
@@ -227,19 +229,25 @@ class TorchSteps:
         xs, outs = ((rows, k), (k, 1), 0), ((rows, n), (n, 1), 0)
         if not rows or not n:
             return (lambda x, w, out: out) if no_bias(node) else (lambda x, w, b, out: out)
+        mat = (lambda w: w) if transposed else (lambda w: w.t())
         if no_bias(node):
             if flat:
-                return lambda x, w, out: (mm(reinterpret(x, *xs), w.t(), out=reinterpret(out, *outs)), out)[1]
-            return lambda x, w, out: mm(x, w.t(), out=out)
+                return lambda x, w, out: (mm(reinterpret(x, *xs), mat(w), out=reinterpret(out, *outs)), out)[1]
+            return lambda x, w, out: mm(x, mat(w), out=out)
         if flat:
-            return lambda x, w, b, out: (addmm(b, reinterpret(x, *xs), w.t(), out=reinterpret(out, *outs)), out)[1]
-        return lambda x, w, b, out: addmm(b, x, w.t(), out=out)
+            return lambda x, w, b, out: (addmm(b, reinterpret(x, *xs), mat(w), out=reinterpret(out, *outs)), out)[1]
+        return lambda x, w, b, out: addmm(b, x, mat(w), out=out)
 
-    def linear_call(self, node: Node, contiguous: bool):
+    def linear_call(self, node: Node, contiguous: bool, transposed: bool = False):
         """`linear` on operands the wrapper holds itself (wrapper.direct_operands), without the
         environment and getters a step reads through; contiguous where a generated kernel reads
-        the result."""
+        the result; `transposed`: the weight passed as the matrix it is the transpose of."""
         linear = torch.nn.functional.linear
+        if transposed:
+            if no_bias(node):
+                return (lambda x, w: linear(x, w.t()).contiguous()) if contiguous else (lambda x, w: linear(x, w.t()))
+            return (lambda x, w, b: linear(x, w.t(), b).contiguous()) if contiguous else \
+                (lambda x, w, b: linear(x, w.t(), b))
         if no_bias(node):
             return (lambda x, w: linear(x, w).contiguous()) if contiguous else (lambda x, w: linear(x, w))
         return (lambda x, w, b: linear(x, w, b).contiguous()) if contiguous else (lambda x, w, b: linear(x, w, b))

@@ -55,7 +55,8 @@ def straight_line(executable, loops_by_name: dict, nodes: dict, release) -> Wrap
             if operands is None:
                 names[f"_{kernel.name}"] = executable.torch_step_into(kernel)
             else:
-                names[f"_{kernel.name}"] = executable.steps.linear_direct(kernel.output)
+                names[f"_{kernel.name}"] = executable.steps.linear_direct(
+                    kernel.output, weight_transposed(kernel.output, local))
             args = ", ".join((operands or [local[id(i)] for i in kernel.inputs]) + [f"t{step}"])
             lines.append(f"    _{kernel.name}({args})  # {kernel.kind}: {kernel.output.op}, into t{step}"
                          + (", direct" if operands else ""))
@@ -66,7 +67,8 @@ def straight_line(executable, loops_by_name: dict, nodes: dict, release) -> Wrap
             if operands is None:
                 names[f"_{kernel.name}"] = executable.torch_step(kernel, contiguous)
             else:
-                names[f"_{kernel.name}"] = executable.steps.linear_call(kernel.output, contiguous)
+                names[f"_{kernel.name}"] = executable.steps.linear_call(
+                    kernel.output, contiguous, weight_transposed(kernel.output, local))
             args = ", ".join(operands or [local[id(i)] for i in kernel.inputs])
             lines.append(f"    t{step} = _{kernel.name}({args})  # {kernel.kind}: {kernel.output.op}"
                          + (", direct" if operands else ""))
@@ -96,12 +98,25 @@ def into_buffer(kernel, target) -> bool:
 def direct_operands(node, local: dict, dense: set | None = None) -> list[str] | None:
     """The wrapper's names of a linear's operands where it holds each itself (not a view the
     step would take) and, where `dense` is given, x is one of those, contiguous and of its
-    node's shape (steps.linear_direct and linear_call then take them as they are); None otherwise."""
+    node's shape (steps.linear_direct and linear_call then take them as they are); None otherwise.
+    The weight may be the transpose of a matrix the wrapper holds (GPT-2's Conv1D weights are
+    [in, out]): that matrix is named, and `weight_transposed` says so (a step reading the view
+    through the environment took 33 us of host time a call on CUDA, Inductor's addmm 18)."""
     x, w, bias = node.args
-    operands = [x, w] if no_bias(node) else [x, w, bias]
+    operands = [x] if no_bias(node) else [x, bias]
     if (dense is not None and id(x) not in dense) or any(id(a) not in local for a in operands):
         return None
-    return [local[id(a)] for a in operands]
+    if id(w) not in local and not weight_transposed(node, local):
+        return None
+    weight = local[id(w.args[0])] if id(w) not in local else local[id(w)]
+    return [local[id(x)], weight] + ([] if no_bias(node) else [local[id(bias)]])
+
+
+def weight_transposed(node, local: dict) -> bool:
+    """Whether a linear's weight is a 2-d transpose the wrapper does not hold, of a matrix it does."""
+    w = node.args[1]
+    return (id(w) not in local and w.op == "transpose" and len(w.shape) == 2 and len(w.args[0].shape) == 2
+            and id(w.args[0]) in local)
 
 
 def direct_linear(kernel) -> bool:

@@ -185,6 +185,43 @@ def test_reassigned_parameter_is_used():
         torch.testing.assert_close(compiled(x), model(x))
 
 
+class _Conv1D(torch.nn.Module):
+    """transformers' Conv1D: a weight of [in, out], used as its transpose by the plan's linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(8, 12))
+        self.bias = torch.nn.Parameter(torch.randn(12))
+
+    def forward(self, x):
+        return torch.addmm(self.bias, torch.tanh(x).view(-1, 8), self.weight).view(*x.shape[:-1], 12).relu() * 2.0
+
+
+@pytest.mark.parametrize("via", ["compile", "torch.compile"])
+def test_transposed_weight_read_directly_follows_the_module(via):
+    """A linear on a weight's transpose passes the weight matrix itself to its library call
+    (wrapper.weight_transposed: no view through the environment per call); the matrix changed in
+    place, reassigned, or its `.data` replaced is what each call reads."""
+    torch.manual_seed(0)
+    model, x = _Conv1D(), torch.randn(3, 5, 8)
+    with torch.no_grad():
+        if via == "compile":
+            compiled = egc.compile(model, [x])
+        else:
+            torch._dynamo.reset()
+            egc.last_compiled(clear=True)
+            compiled = torch.compile(model, backend="egraph")
+        torch.testing.assert_close(compiled(x), model(x))
+        wrapper = (compiled if via == "compile" else egc.last_compiled()[-1])._executable.wrapper.source
+        assert "linear, into" in wrapper and "direct" in wrapper, wrapper
+        model.weight.mul_(-1.5)
+        torch.testing.assert_close(compiled(x), model(x))
+        model.weight = torch.nn.Parameter(torch.randn(8, 12))
+        torch.testing.assert_close(compiled(x), model(x))
+        model.weight.data = torch.randn(8, 12)
+        torch.testing.assert_close(compiled(x), model(x))
+
+
 def test_parameter_of_another_shape_is_a_clear_error():
     model = torch.nn.Linear(3, 2)
     x = torch.randn(4, 3)
