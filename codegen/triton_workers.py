@@ -7,7 +7,9 @@ compile for the GPU begins, so that start-up overlaps the e-graph's work.
 
 The children never touch the GPU: Triton's driver in them answers with the parent's
 target (architecture, warp size) instead of asking CUDA, so no worker holds a CUDA
-context (on a machine without a GPU, they compile for the one named).  Each request
+context (on a machine without a GPU, they compile for the one named).  They build each
+kernel's launcher as well, where Triton builds one per signature with the host's C
+compiler (3.6; 3.9 has one generic launcher), so that the first launch finds it in the cache.  Each request
 carries the parent's TRITON_* environment, whose variables are part of Triton's cache
 key.  Best effort throughout: workers that cannot start, or one that dies or answers
 nonsense, leave the kernels to compile at their first launch, as without workers."""
@@ -190,10 +192,17 @@ for line in sys.stdin:
         module, failed = None, len(specs)
     for name, dtypes, options in specs if module is not None else ():
         try:
-            getattr(module, name).warmup(*[getattr(torch, d) if isinstance(d, str) else d for d in dtypes],
-                                         grid=(1,), **options)
+            kernel = getattr(module, name).warmup(*[getattr(torch, d) if isinstance(d, str) else d for d in dtypes],
+                                                  grid=(1,), **options)
             compiled += 1
         except Exception:
             failed += 1
+            continue
+        try:  # its launcher too: Triton 3.6 builds a C stub per kernel signature with the host's compiler
+            launcher = getattr(driver.active, "launcher_cls", None)  # at the first launch (7 of them took
+            if launcher is not None:  # BERT's first call 2 s, serially): built here, in parallel, into
+                launcher(kernel.src, kernel.metadata)  # the cache where that launch finds it
+        except Exception:
+            pass
     print("done", compiled, failed, flush=True)
 """
