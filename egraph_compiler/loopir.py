@@ -380,7 +380,10 @@ def merge_siblings(first: "LoopKernel", second: "LoopKernel") -> "LoopKernel | N
     ins = [p for p in first.params if p.role == "in"] + [p for p in second.params
                                                          if p.role == "in" and p.name not in names]
     outs = [p for p in first.params if p.role == "out"] + [p for p in second.params if p.role == "out"]
-    extra = first.extra_stores + [(second.store_param, second.store_index, rename_accs(second.value, mapping),
-                                   second.store_in_inner)] + second.extra_stores
+    # (every store of the second reads its own accumulators under their new names: its extra stores
+    # kept the old ones, so a fused mean's extra store read the first kernel's sum: soak, seed 32002)
+    extra = first.extra_stores + [(p, i, rename_accs(v, mapping), inner) for p, i, v, inner in
+                                  [(second.store_param, second.store_index, second.value, second.store_in_inner)]
+                                  + list(second.extra_stores)]
     return LoopKernel(first.name, ins + outs, first.outer, first.inner, reductions, first.store_param,
                       first.store_index, first.value, first.store_in_inner, False, extra)

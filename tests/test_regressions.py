@@ -1106,3 +1106,26 @@ def test_long_row_means_keep_infinities_overflow_and_constant_rows():
     assert egc.compile(lambda x: x.mean(-1), [rows])(rows)[3] == 0  # (the exact mean, as the double sum gave)
     x = rows[5:8]
     assert torch.equal(egc.compile(lambda x: F.layer_norm(x, (n,)), [x])(x), torch.zeros(3, n))
+
+
+@pytest.mark.parametrize("target", ["cpu", "triton"])
+def test_sibling_kernels_extra_store_reads_its_own_accumulator(target):
+    """Two kernels fused into one loop nest (siblings.py, loopir.merge_siblings) renamed the second's
+    accumulators in its main store but not in its extra stores: a row mean stored beside
+    `(x - mean) * 2` read the first kernel's row sum instead (the mean came out 32x too large;
+    soak, seed 32002, through a batch norm's mean and a sum over all of a [3, 1] input)."""
+    def fn(x):
+        return x.sum(-1, keepdim=True) * 3.0, (x - x.mean(-1, keepdim=True)) * 2.0, x.mean(-1, keepdim=True)
+    x = torch.randn(64, 32) + 1.0
+    compiled = egc.compile(fn, [x], target=target)
+    assert any("loop nest" in line and "also stores" in line for line in str(compiled.plan).splitlines())
+    for got, want in zip(compiled(x), fn(x)):
+        torch.testing.assert_close(got, want)
+
+    def soak_32002(x0):
+        t1 = F.batch_norm(x0, torch.linspace(-1, 1, 1), torch.linspace(0.5, 2, 1), torch.linspace(0.5, 1.5, 1),
+                          None, False, 0.1, 1e-5)
+        return x0.sum((-2, 1), keepdim=True), t1, torch.mean(x0, dim=(-1, -2), keepdim=True)
+    x0 = torch.rand((3, 1), generator=torch.Generator().manual_seed(43571)) * 4 - 2
+    for got, want in zip(egc.compile(soak_32002, [x0], target=target)(x0), soak_32002(x0)):
+        torch.testing.assert_close(got, want)
