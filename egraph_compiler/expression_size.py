@@ -58,3 +58,24 @@ def oversized_edges(root: Node) -> set[int]:
     worst = max(repeated, key=lambda n: (copies[id(n)] - 1) * size[id(n)])
     heavy = {edge_of[id(n)] for n in repeated if copies[id(n)] * size[id(n)] > MAX_EXPRESSION}
     return heavy | {edge_of[id(worst)]}  # (every target whose copies alone exceed the budget, at once)
+
+
+def written_size(expressions) -> int:
+    """Ops in loop-IR expressions as the renderers write them (each operand written out at
+    each read, a template's repeated `{0}` included): what a kernel's source weighs once
+    lowered.  share_row_values holds a kernel that takes in another's work to MAX_EXPRESSION
+    (soak 32003: a row kernel that absorbed 45 per-row values rendered 17 MB of C++)."""
+    from .loopir import Call, Const
+
+    size: dict[int, int] = {}
+
+    def walk(e) -> int:
+        if not isinstance(e, Call):
+            return 1
+        if id(e) not in size:
+            copies = OPERAND_COPIES.get(e.op, 1)
+            if e.op == "pow" and len(e.args) > 1 and isinstance(e.args[1], Const):
+                copies = POW_COPIES.get(e.args[1].value, 1)
+            size[id(e)] = 1 + sum(walk(a) * (copies if i == 0 else 1) for i, a in enumerate(e.args))
+        return size[id(e)]
+    return sum(walk(e) for e in expressions)

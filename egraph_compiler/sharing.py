@@ -21,6 +21,7 @@ from __future__ import annotations
 from .cost import ELEMENTWISE, DeviceProfile, itemsize
 from .dsl.parser import FuseRule
 from .errors import CodegenError
+from . import expression_size
 from .graph import Node, topo_order, view_chain, view_source
 from .loopir import Acc, Call, expressions, loads, stride
 from .lower import IllegalKernel, lower_kernel
@@ -164,13 +165,15 @@ def _absorb(plan: Plan, p: Kernel, k: Kernel, profile: DeviceProfile, siblings, 
         return False
     if value.numel < k.output.numel and not after[2]:
         return False
+    if after[3] > max(before[3], expression_size.MAX_EXPRESSION):  # the source it would write (soak 32003: 17 MB of C++)
+        return False
     k.ops, k.inputs, k.extra_outputs, k.fused = trial.ops, trial.inputs, trial.extra_outputs, fused
     estimate(k, profile)
     plan.kernels.remove(p)
     return True
 
 
-def _lowered_once(kernel: Kernel, memo: dict) -> tuple[int, int, bool] | None:
+def _lowered_once(kernel: Kernel, memo: dict) -> tuple[int, int, bool, int] | None:
     """`_lowered`, kept per kernel for as long as what it computes, reads and stores stays."""
     key = (kernel.name, tuple(map(id, kernel.ops)), tuple(map(id, kernel.inputs)),
            tuple(map(id, kernel.outputs)), kernel.stored, kernel.fused)
@@ -179,12 +182,13 @@ def _lowered_once(kernel: Kernel, memo: dict) -> tuple[int, int, bool] | None:
     return memo[key]
 
 
-def _lowered(kernel: Kernel) -> tuple[int, int, bool] | None:
+def _lowered(kernel: Kernel) -> tuple[int, int, bool, int] | None:
     """(reductions in the kernel's loop nest, the largest distance in memory between
     consecutive elements of a row it reads, whether its last value stored per row is one:
     from the row's reductions or other per-row values, not a tensor that only has as many
     elements as the kernel has rows, LLaMA's rotary angles [1, S, D] in the kernel that
-    rotates [B, H, S, D]); None: it does not lower."""
+    rotates [B, H, S, D]; the ops its source writes out, expression_size.written_size);
+    None: it does not lower."""
     nodes = kernel.inputs + kernel.outputs
     names = {id(n): f"b{i}" for i, n in enumerate(nodes)}
     try:
@@ -195,7 +199,7 @@ def _lowered(kernel: Kernel) -> tuple[int, int, bool] | None:
     per_row = {names[id(n)] for n in nodes if n.numel == lk.outer}
     row_value = bool(rows) and (_has_acc(rows[0]) or all(e.param in per_row for e in loads(rows[0])))
     return (len(lk.reductions), max((abs(stride(e.index, "r")) for v in expressions(lk) for e in loads(v)), default=0),
-            row_value)
+            row_value, expression_size.written_size(expressions(lk)))
 
 
 def _has_acc(e) -> bool:

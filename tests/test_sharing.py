@@ -239,3 +239,33 @@ def test_a_kernel_keeps_the_inputs_of_the_values_it_stores_beside_its_output(tar
     compiled = egc.compile(f, args, target=target)
     for got, want in zip(compiled(*args), f(*args)):
         torch.testing.assert_close(got, want)
+
+
+def test_a_kernel_that_takes_in_row_values_stays_within_the_expression_limit(monkeypatch):
+    """Soak 32003 (a `deep` program of 0-d steps): make_plan cut a chain whose written-out
+    expression passed expression_size.MAX_EXPRESSION into kernels of their own, and
+    share_row_values took 45 of them back into one row kernel, each computed inline from the
+    row: 17 MB of C++ that g++ did not build in minutes.  A value is taken in only while the
+    kernel's lowered expressions, as written (expression_size.written_size), stay within the
+    limit; here a limit between the row kernel's size with one and with both row values."""
+    from egraph_compiler import expression_size
+    from egraph_compiler.loopir import expressions
+
+    def fn(x):
+        y = x
+        for _ in range(3):
+            y = y * y + y
+        return torch.exp(y).sum(-1), torch.tanh(y).amax(-1), y * 2.0
+    x = torch.randn(64, 128) * 0.1
+    taken = lambda c: sum(len(k.extra_outputs) for k in c.plan.kernels)  # noqa: E731
+    unlimited = egc.compile(fn, [x])
+    assert taken(unlimited) == 2, str(unlimited.plan)
+    monkeypatch.setattr(expression_size, "MAX_EXPRESSION", 20)
+    limited = egc.compile(fn, [x])
+    assert taken(limited) == 1, str(limited.plan)
+    monkeypatch.setattr(expression_size, "MAX_EXPRESSION", 12)
+    for compiled in (limited, egc.compile(fn, [x])):
+        assert all(expression_size.written_size(expressions(lk)) <= 40 for lk in compiled.loop_kernels)
+        for got, want in zip(compiled(x), fn(x)):
+            torch.testing.assert_close(got, want)
+    assert taken(egc.compile(fn, [x])) == 0
