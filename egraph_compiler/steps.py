@@ -244,13 +244,10 @@ class TorchSteps:
         the result; `transposed`: the weight passed as the matrix it is the transpose of."""
         linear = torch.nn.functional.linear
         if transposed:
-            if no_bias(node):
-                return (lambda x, w: linear(x, w.t()).contiguous()) if contiguous else (lambda x, w: linear(x, w.t()))
-            return (lambda x, w, b: linear(x, w.t(), b).contiguous()) if contiguous else \
-                (lambda x, w, b: linear(x, w.t(), b))
-        if no_bias(node):
-            return (lambda x, w: linear(x, w).contiguous()) if contiguous else (lambda x, w: linear(x, w))
-        return (lambda x, w, b: linear(x, w, b).contiguous()) if contiguous else (lambda x, w, b: linear(x, w, b))
+            call = (lambda x, w: linear(x, w.t())) if no_bias(node) else (lambda x, w, b: linear(x, w.t(), b))
+        else:
+            call = linear
+        return (lambda *operands: call(*operands).contiguous()) if contiguous else call
 
     def _fused_attention(self, node: Node):
         """Training's attention (flash.py): the output and its logsumexp are two nodes of one
