@@ -124,11 +124,31 @@ def on_cpu(call, q, k, v, mask=None, causal=False, scale=None, grouped=False, fi
 
 def flash_shapes(qs, ks, vs, mask_shape, grouped: bool) -> bool:
     """Whether torch's CPU flash kernel takes operands of these shapes as they are (on_cpu; their
-    strides and dtypes are asked per call): 4-d, not empty, one head size, no grouped heads, one
-    batch and head count, as many keys as values, no mask or a 4-d one."""
-    return (not grouped and len(qs) == len(ks) == len(vs) == 4 and 0 not in (*qs, *ks, *vs)
-            and qs[-1] == ks[-1] == vs[-1] and qs[:2] == ks[:2] == vs[:2] and ks[2] == vs[2]
+    strides and dtypes are asked per call): 4-d, not empty, one head size, one batch, one head
+    count or grouped heads where this torch's kernel takes them (cpu_flash_groups), as many keys
+    as values, no mask or a 4-d one."""
+    return ((not grouped or cpu_flash_groups()) and len(qs) == len(ks) == len(vs) == 4
+            and 0 not in (*qs, *ks, *vs) and qs[-1] == ks[-1] == vs[-1] and qs[0] == ks[0] == vs[0]
+            and (grouped or qs[1] == ks[1]) and ks[1] == vs[1] and ks[2] == vs[2]
             and (mask_shape is None or len(mask_shape) == 4))
+
+
+@functools.cache
+def cpu_flash_groups() -> bool:
+    """Whether this torch's CPU flash kernel takes grouped-query heads as they are (k and v with
+    fewer heads, each serving as many consecutive heads of q as sdpa's `enable_gqa`; torch 2.13's
+    does): asked once, of small operands, against sdpa over k and v repeated.  Then a LLaMA's
+    attention is the kernel alone, its logsumexp the NaN check, where sdpa and two sums read back
+    took 22 us of a 37 us step (--size test, 2 cores)."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, 3, 8, generator=gen) for h in (4, 2, 2))
+    try:
+        out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=0.5)[0]
+    except RuntimeError:
+        return False
+    want = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
+                                          is_causal=True, scale=0.5)
+    return out.shape == want.shape and torch.allclose(out, want, atol=1e-5, rtol=1e-5)
 
 
 def _finite(q, k) -> bool:
@@ -152,7 +172,7 @@ def attention(shapes: list, a: dict, cuda: bool):
     fits = flash_shapes(*(e or x for e, x in zip(expand, (qs, ks, vs))),
                         (1, keys) if per_key else shapes[3] if masked else None, grouped)
     if not cuda and fits and not masked and not any(expand):
-        return _flash_on_cpu(causal, scale)
+        return _flash_on_cpu(causal, scale, grouped)
     chosen: dict = {}  # (CUDA, heads not grouped) operand layout -> the fused kernel torch picks for it
 
     def run(t):
@@ -228,12 +248,12 @@ def _aligned(mask, q) -> bool:
             and all(s % 16 == 0 for s in mask.stride()[:-1]))
 
 
-def _flash_on_cpu(causal: bool, scale):
+def _flash_on_cpu(causal: bool, scale, grouped: bool):
     """`attention` without a mask on a CPU, where the flash kernel takes the plan's shapes: on_cpu
     with its caller made once and its shape test passed (an sdpa step of BERT at --size test took
     24 us, the flash kernel alone 12-13)."""
-    call = _caller(None, causal, scale, False)
-    return lambda t: on_cpu(call, t[0], t[1], t[2], None, causal, scale, False, True)
+    call = _caller(None, causal, scale, grouped)
+    return lambda t: on_cpu(call, t[0], t[1], t[2], None, causal, scale, grouped, True)
 
 
 def softmax_attention(t, a):
