@@ -92,10 +92,14 @@ def _egc_row(i, rows, err):  # a gather's row: one out of range is never read, a
 
 
 def _const(value: float) -> str:
+    """A constant of an expression.  inf and NaN are 0-d blocks, not the constexpr INF itself: a
+    constexpr on an operator's left (`(INF - INF) >= x`, a folded empty mean compared) is a
+    constexpr wrapping the result, which the interpreter refused to store ("cannot convert ... to
+    tensor", soak seed 33002)."""
     if value != value:
-        return "(INF - INF)"
+        return "tl.full([], INF - INF, tl.float32)"
     if value in (float("inf"), float("-inf")):
-        return "INF" if value > 0 else "(-INF)"
+        return "tl.full([], INF, tl.float32)" if value > 0 else "tl.full([], -INF, tl.float32)"
     return f"({float(value)!r})"
 
 

@@ -1135,3 +1135,16 @@ def test_sibling_kernels_extra_store_reads_its_own_accumulator(target):
     x0 = torch.rand((3, 1), generator=torch.Generator().manual_seed(43571)) * 4 - 2
     for got, want in zip(egc.compile(soak_32002, [x0], target=target)(x0), soak_32002(x0)):
         torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("target", ["cpu", "triton"])
+def test_infinite_and_nan_constants_on_an_operators_left(target):
+    """Soak seed 33002: a mean over an empty dim folds to a NaN constant, compared with a tensor:
+    `(INF - INF) >= x` in Triton, where a constexpr on an operator's left made a constexpr of the
+    result, which the interpreter could not store.  Constants inf and NaN render as 0-d blocks."""
+    def fn(x, y):
+        return F.silu(x).mean(0) >= y, float("-inf") - y, float("inf") * (y > 0), float("nan") + y
+    x, y = torch.randn(0, 8), torch.randn(1, 8)
+    compiled = egc.compile(fn, [x, y], target=target)
+    for got, want in zip(compiled(x, y), fn(x, y)):
+        torch.testing.assert_close(got, want, equal_nan=True)
