@@ -21,7 +21,7 @@ from torch._prims_common import make_contiguous_strides_for
 
 from . import flash, library, masks, ops
 from .errors import CodegenError
-from .graph import WEAK, Node
+from .graph import WEAK, Node, view_source
 
 _GUARDS = getattr(torch._C, "_dynamo", None) and getattr(torch._C._dynamo, "guards", None)
 _REINTERPRET = getattr(_GUARDS, "_reinterpret_tensor", None)
@@ -91,7 +91,7 @@ class TorchSteps:
         if node.op == "const":
             return _once(lambda: torch.tensor(node.attr("value"), dtype=torch.float32, device=self.device))
         if node.op == "inline":  # a fused producer, in a kernel that runs through torch
-            return self.step(node.args[0])
+            return _computed_once(key, self.step(node.args[0]))
         if node.group == "layout":
             return self._make_view(node)
 
@@ -158,6 +158,8 @@ class TorchSteps:
                 raise CodegenError(f"{node.op} gave a tensor of shape {list(out.shape)} where the plan has "
                                    f"{list(shape)} (a bug in egraph_compiler's op table; please report it)")
             return out if dtype is None or out.dtype == dtype else out.to(dtype)
+        if any(view_source(a).op == "inline" for a in node.args):
+            return _computed_once(None, call)  # (its operands' fused producers, each computed once)
         return call
 
     def _function(self, node: Node):
@@ -364,3 +366,30 @@ def scalar_tensor(const: Node, consumer: Node, device: str = "cpu") -> torch.Ten
     else:
         dtype = torch_dtype(consumer.dtype if consumer.dtype != "bool" else "float32")
     return torch.tensor(number, dtype=dtype, device=device)
+
+
+INLINE_VALUES = "inline values"  # env's key of the fused producers one ATen kernel's evaluation computed
+
+
+def _computed_once(key, compute):
+    """`compute` (a fused producer's step, `key` its inline node's id; None: a kernel's own step
+    over such producers) with each fused producer computed once per evaluation of the kernel
+    that reads it: the getters call their operands' getters, so a producer read twice (`t * t`,
+    `x ** tanh(x)`) was computed twice, and a deep program's chain of them 2**n times (a soak
+    program ran for minutes, seed 33002).  The values live in env for that evaluation only."""
+    def once(env):
+        values = env.get(INLINE_VALUES)
+        if values is None:  # (the outermost: the kernel's evaluation starts and ends here)
+            env[INLINE_VALUES] = {}
+            try:
+                return once(env)
+            finally:
+                del env[INLINE_VALUES]
+        if key is None:
+            return compute(env)
+        value = values.get(key)
+        if value is None:
+            value = values[key] = compute(env)
+        return value
+    return once
+

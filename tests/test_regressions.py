@@ -1148,3 +1148,35 @@ def test_infinite_and_nan_constants_on_an_operators_left(target):
     compiled = egc.compile(fn, [x, y], target=target)
     for got, want in zip(compiled(x, y), fn(x, y)):
         torch.testing.assert_close(got, want, equal_nan=True)
+
+
+def test_an_aten_kernels_fused_producers_are_computed_once_per_call():
+    """Soak seed 33002 (a `deep` program, minutes in one call): a kernel that runs through ATen
+    (float64 here: outside generated code) evaluates its fused producers by torch calls, each
+    getter calling its operands' getters, so a producer read twice (`tanh(x) * x`) was computed
+    once per read, a chain of n of them about 2**n times.  Now once per call of the kernel."""
+    from torch.overrides import TorchFunctionMode
+
+    class CountTanh(TorchFunctionMode):
+        calls = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            CountTanh.calls += func in (torch.tanh, torch.Tensor.tanh)
+            return func(*args, **(kwargs or {}))
+
+    def chain(x):
+        for _ in range(12):
+            x = torch.tanh(x) * x
+        return x
+    x = torch.randn(4, 8, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        compiled = egc.compile(chain, [x])
+    assert all(k.kind == "aten" for k in compiled.plan.kernels), str(compiled.plan)
+    for _ in range(2):  # (and again: the values of one call are not kept for the next)
+        CountTanh.calls = 0
+        with CountTanh():
+            got = compiled(x)
+        assert CountTanh.calls == 12
+        torch.testing.assert_close(got, chain(x))
+        x = torch.randn(4, 8, dtype=torch.float64)
