@@ -193,8 +193,10 @@ def _pass(k: LoopKernel, group: list, types, bounded: str | None, centred: dict,
                   f"{{ {rename(loop[1])} }}",
                   "      " + " ".join([f"{red.acc}_d += {red.acc}_p;" for _, red in group]
                                       + [f"{m}_c += {m}_q;" for m in residues]), "    }"]
-    else:
-        lines += ["    #pragma omp simd " + loop[0], f"    for (int64_t r = 0; r < {k.inner}; ++r) {{ {loop[1]} }}"]
+    else:  # (double lanes: a residue is summed into its double as it is; soak 33003, a mean beside it)
+        direct = lambda text: _replace_all(text, {f"{m}_q": f"{m}_c" for m in residues})  # noqa: E731
+        lines += ["    #pragma omp simd " + direct(loop[0]),
+                  f"    for (int64_t r = 0; r < {k.inner}; ++r) {{ {direct(loop[1])} }}"]
     lines += [_REDUCTIONS[_combiner(red)][3].format(acc=red.acc, n=k.inner) for _, red in group
               if _REDUCTIONS[_combiner(red)][3] and red.acc not in squares]
     return lines + [line for m in residues for line in _corrected(k, m, centred[m][1], types)]

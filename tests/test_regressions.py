@@ -1180,3 +1180,16 @@ def test_an_aten_kernels_fused_producers_are_computed_once_per_call():
         assert CountTanh.calls == 12
         torch.testing.assert_close(got, chain(x))
         x = torch.randn(4, 8, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("target", ["cpu", "triton"])
+def test_a_layer_norms_mean_beside_another_mean_in_double_lanes(target):
+    """Soak seed 33003: a layer norm's mean summed in float lanes, its residue summed beside its
+    squares (cpp._centred), in a pass that also held another norm's mean (of a column, the same
+    for every row): that pass keeps double lanes, and the residue's float partial `_q` was summed
+    there undeclared (g++: `acc0_q` has not been declared).  It is summed into its double."""
+    def fn(x, m, b):
+        return F.layer_norm(x, (12,)) + F.layer_norm(m.select(-1, 11), (12,)) + F.rms_norm(b, (12,), b)
+    x, m, b = torch.randn(24, 12), torch.randn(12, 12), torch.randn(12)
+    torch.testing.assert_close(egc.compile(fn, [x, m, b], target=target)(x, m, b), fn(x, m, b),
+                               atol=1e-5, rtol=1e-5)
