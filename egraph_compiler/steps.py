@@ -60,6 +60,7 @@ class TorchSteps:
         self._runs = threading.local()  # `memo`: values one run shares between its steps, per thread
         self.views: dict[int, dict] = {}  # a view's node -> {its base's layout: (size, stride, offset) | None}
         self._getters: dict[int, object] = {}
+        self._inline_reads: dict[int, int] = {}  # an inline node's id -> the steps built over it (_computed_once)
 
     @property
     def memo(self) -> dict:
@@ -91,7 +92,7 @@ class TorchSteps:
         if node.op == "const":
             return _once(lambda: torch.tensor(node.attr("value"), dtype=torch.float32, device=self.device))
         if node.op == "inline":  # a fused producer, in a kernel that runs through torch
-            return _computed_once(key, self.step(node.args[0]))
+            return _computed_once(key, self.step(node.args[0]), self._inline_reads)
         if node.group == "layout":
             return self._make_view(node)
 
@@ -144,6 +145,8 @@ class TorchSteps:
         """The callable computing `node` (a library op, an ATen fallback) from an environment."""
         reads = []
         for a in node.args:
+            if view_source(a).op == "inline":
+                self._inline_reads[id(view_source(a))] = self._inline_reads.get(id(view_source(a)), 0) + 1
             if a.op == "const":
                 reads.append(_once(lambda a=a: scalar_tensor(a, node, self.device)))
             else:
@@ -159,7 +162,7 @@ class TorchSteps:
                                    f"{list(shape)} (a bug in egraph_compiler's op table; please report it)")
             return out if dtype is None or out.dtype == dtype else out.to(dtype)
         if any(view_source(a).op == "inline" for a in node.args):
-            return _computed_once(None, call)  # (its operands' fused producers, each computed once)
+            return _computed_once(None, call, self._inline_reads)  # (its operands' fused producers, each once)
         return call
 
     def _function(self, node: Node):
@@ -371,12 +374,13 @@ def scalar_tensor(const: Node, consumer: Node, device: str = "cpu") -> torch.Ten
 INLINE_VALUES = "inline values"  # env's key of the fused producers one ATen kernel's evaluation computed
 
 
-def _computed_once(key, compute):
+def _computed_once(key, compute, reads: dict):
     """`compute` (a fused producer's step, `key` its inline node's id; None: a kernel's own step
     over such producers) with each fused producer computed once per evaluation of the kernel
     that reads it: the getters call their operands' getters, so a producer read twice (`t * t`,
     `x ** tanh(x)`) was computed twice, and a deep program's chain of them 2**n times (a soak
-    program ran for minutes, seed 33002).  The values live in env for that evaluation only."""
+    program ran for minutes, seed 33002).  The values live in env for that evaluation only, and
+    only those read by more than one step (`reads`) are kept: the others go once read, as before."""
     def once(env):
         values = env.get(INLINE_VALUES)
         if values is None:  # (the outermost: the kernel's evaluation starts and ends here)
@@ -385,7 +389,7 @@ def _computed_once(key, compute):
                 return once(env)
             finally:
                 del env[INLINE_VALUES]
-        if key is None:
+        if key is None or reads.get(key, 0) < 2:
             return compute(env)
         value = values.get(key)
         if value is None:
