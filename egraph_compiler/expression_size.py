@@ -15,12 +15,18 @@ OPERAND_COPIES = {"relu": 2, "silu": 2, "gelu": 2, "gelu_tanh": 5}
 POW_COPIES = {2.0: 2, 3.0: 3}
 
 
+def copies(op: str, exponent: float | None = None) -> int:
+    """How many times a renderer writes out the first operand of `op` (`exponent`: a pow's constant one)."""
+    if op == "pow" and exponent is not None:
+        return POW_COPIES.get(exponent, 1)
+    return OPERAND_COPIES.get(op, 1)
+
+
 def operand_copies(n: Node) -> int:
     if n.group == "row":
         return 3  # a row reads its input ~3 times
-    if n.op == "pow" and len(n.args) > 1 and n.args[1].op == "const":
-        return POW_COPIES.get(n.args[1].attr("value"), 1)
-    return OPERAND_COPIES.get(n.op, 1)
+    constant = len(n.args) > 1 and n.args[1].op == "const"
+    return copies(n.op, n.args[1].attr("value") if constant else None)
 
 
 def oversized_edges(root: Node) -> set[int]:
@@ -73,9 +79,7 @@ def written_size(expressions) -> int:
         if not isinstance(e, Call):
             return 1
         if id(e) not in size:
-            copies = OPERAND_COPIES.get(e.op, 1)
-            if e.op == "pow" and len(e.args) > 1 and isinstance(e.args[1], Const):
-                copies = POW_COPIES.get(e.args[1].value, 1)
-            size[id(e)] = 1 + sum(walk(a) * (copies if i == 0 else 1) for i, a in enumerate(e.args))
+            first = copies(e.op, e.args[1].value if len(e.args) > 1 and isinstance(e.args[1], Const) else None)
+            size[id(e)] = 1 + sum(walk(a) * (first if i == 0 else 1) for i, a in enumerate(e.args))
         return size[id(e)]
     return sum(walk(e) for e in expressions)

@@ -143,10 +143,11 @@ class TorchSteps:
 
     def step(self, node: Node):
         """The callable computing `node` (a library op, an ATen fallback) from an environment."""
+        fused = [s for s in map(view_source, node.args) if s.op == "inline"]  # (producers computed here)
+        for s in fused:
+            self._inline_reads[id(s)] = self._inline_reads.get(id(s), 0) + 1
         reads = []
         for a in node.args:
-            if view_source(a).op == "inline":
-                self._inline_reads[id(view_source(a))] = self._inline_reads.get(id(view_source(a)), 0) + 1
             if a.op == "const":
                 reads.append(_once(lambda a=a: scalar_tensor(a, node, self.device)))
             else:
@@ -161,7 +162,7 @@ class TorchSteps:
                 raise CodegenError(f"{node.op} gave a tensor of shape {list(out.shape)} where the plan has "
                                    f"{list(shape)} (a bug in egraph_compiler's op table; please report it)")
             return out if dtype is None or out.dtype == dtype else out.to(dtype)
-        if any(view_source(a).op == "inline" for a in node.args):
+        if fused:
             return _computed_once(None, call, self._inline_reads)  # (its operands' fused producers, each once)
         return call
 
