@@ -33,6 +33,7 @@ import multiprocessing as mp
 import os
 import queue as queue_mod
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -317,6 +318,13 @@ def main(argv=None):
     if args.allow_avx512:
         os.environ[AVX512_ENV] = "1"
     cache = tempfile.mkdtemp(prefix="egc-soak-cache-")
+    try:
+        return _main(args, cache)
+    finally:  # the run's kernels are of no use after it (they filled a disk over many soaks)
+        shutil.rmtree(cache, ignore_errors=True)
+
+
+def _main(args, cache: str) -> int:
     _setup_env(cache, args.omp_threads)
     if args.minimize:
         with open(args.minimize) as f:
