@@ -19,7 +19,7 @@ import threading
 import torch
 from torch._prims_common import make_contiguous_strides_for
 
-from . import flash, library, masks, ops
+from . import cpu_linear, flash, library, masks, ops
 from .errors import CodegenError
 from .graph import WEAK, Node, view_source
 
@@ -191,6 +191,8 @@ class TorchSteps:
         call in isolation on the H200 box's host, made LLaMA's forward 32% slower there: 3.66
         against 2.77 ms, BENCHMARKS.md, eighth session.)"""
         linear = torch.nn.functional.linear
+        if self.device == "cpu" and same_dtypes(node) and onednn_linear(node):
+            linear = cpu_linear.onednn()
         if no_bias(node):
             return lambda args: linear(args[0], args[1])
         return lambda args: linear(args[0], args[1], args[2])
@@ -249,6 +251,8 @@ class TorchSteps:
         environment and getters a step reads through; contiguous where a generated kernel reads
         the result; `transposed`: the weight passed as the matrix it is the transpose of."""
         linear = torch.nn.functional.linear
+        if self.device == "cpu" and same_dtypes(node) and onednn_linear(node):  # (its result is contiguous)
+            linear, contiguous = cpu_linear.onednn(), False
         if transposed:
             call = (lambda x, w: linear(x, w.t())) if no_bias(node) else (lambda x, w, b: linear(x, w.t(), b))
         else:
@@ -339,6 +343,21 @@ class TorchSteps:
         if key not in self.memo:
             self.memo[key] = library.fully_masked_rows(mask, keys)
         return self.memo[key]
+
+
+def same_dtypes(node: Node) -> bool:
+    """A linear whose operands are of its own dtype, the bias (if any) of the weight's rows."""
+    x, w, bias = node.args
+    return (len(w.shape) == 2 and x.dtype == w.dtype == node.dtype
+            and (no_bias(node) or (bias.dtype == node.dtype and bias.shape == w.shape[:1])))
+
+
+def onednn_linear(node: Node) -> bool:
+    """Whether a CPU linear runs through oneDNN's inner product, not torch's GEMM (cpu_linear)."""
+    n, k = node.args[1].shape
+    rows = math.prod(node.shape) // n if n else 0
+    return cpu_linear.choose(rows, k, n, not no_bias(node), node.args[1].op == "transpose",
+                             torch_dtype(node.dtype)) == "onednn"
 
 
 def no_bias(node: Node) -> bool:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .graph import view_source
-from .steps import empty, no_bias, torch_dtype
+from .steps import empty, no_bias, onednn_linear, same_dtypes, torch_dtype
 
 
 @dataclass
@@ -85,14 +85,12 @@ def into_buffer(kernel, target) -> bool:
     """Whether a library call writes a buffer the wrapper allocates (steps.linear_into): a CPU
     linear whose operands are of its own dtype (on CUDA the caching allocator already hands a
     warm block, and `addmm` into a buffer of ours measured slower inside LLaMA, BENCHMARKS.md,
-    eighth session)."""
+    eighth session) that torch's GEMM runs, not oneDNN's (cpu_linear: it makes its own result)."""
     node = kernel.output
     if not (target.device == "cpu" and kernel.kind == "library" and node.op == "linear"
             and node.dtype in ("float32", "bfloat16")):
         return False
-    x, w, bias = node.args
-    return (len(w.shape) == 2 and x.dtype == w.dtype == node.dtype
-            and (no_bias(node) or (bias.dtype == node.dtype and bias.shape == w.shape[:1])))
+    return same_dtypes(node) and not onednn_linear(node)  # (oneDNN's makes its own result)
 
 
 def direct_operands(node, local: dict, dense: set | None = None) -> list[str] | None:

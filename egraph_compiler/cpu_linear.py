@@ -1,0 +1,139 @@
+"""A CPU linear through the faster of two libraries for its shape on this machine: torch's
+GEMM (`addmm`/`mm` into the wrapper's buffer: MKL's sgemm in torch's x86 builds) or oneDNN's
+inner product (`torch.ops.mkldnn._linear_pointwise`, in the same torch, returning a fresh
+tensor).  Neither wins everywhere.  On a 2-core AMD EPYC (BENCHMARKS.md, thirty-fourth session)
+oneDNN took 0.69x torch's time for a [1, 1024] x [1024, 1024] product and 0.78-0.93x for the
+[512, 256] x [256, 1024] class of the real models' layers, but 1.2-2.9x below 16 MFLOP, where
+its fixed cost per call (~12 us) dominates.
+
+So a float32 linear of at least `MIN_FLOPS` is timed both ways when a program holding it is
+compiled, on random operands of its shape run as its step would run them (interleaved rounds, the
+median per routine), and the faster routine is kept: in this process, and on disk by the shape,
+the thread count, the core count and torch's version, so a later compile of the same shape does
+not time again.  The wrapper then allocates a buffer for torch's GEMM only (wrapper.into_buffer).  A smaller linear, another dtype, an empty
+one, or a torch without oneDNN runs torch's GEMM untimed.  Both routines compute the same product
+(their sums differ in rounding only, as eager's own kernels do between shapes).
+
+`EGC_CPU_LINEAR=torch|onednn` fixes the routine (wherever oneDNN can run the linear), for A/B runs
+and tests.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import statistics
+import time
+
+import torch
+
+from .cache import cache_dir
+
+ROUTINE_ENV = "EGC_CPU_LINEAR"
+MIN_FLOPS = 1 << 24  # below this, oneDNN's fixed cost per call outweighs what it saves: never timed
+VERSION = 1  # of the records on disk
+ROUNDS, ROUND_SECONDS, MAX_CALLS = 5, 0.002, 20  # timing: rounds per routine, calls per round about this long
+ROUTINES = ("torch", "onednn")
+
+
+@functools.cache
+def onednn():
+    """oneDNN's linear `(x, w, b) -> x w^T + b` where this torch has it and it gives F.linear's answer
+    on a small case; None otherwise (a build without oneDNN, another architecture's)."""
+    op = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
+    if op is None:
+        return None
+
+    def linear(x, w, b=None):
+        return op(x, w, b, "none", [], "")
+    try:
+        gen = torch.Generator().manual_seed(0)
+        x, w, b = (torch.randn(shape, generator=gen) for shape in ((5, 7), (3, 7), (3,)))
+        if not torch.allclose(linear(x, w, b), torch.nn.functional.linear(x, w, b), atol=1e-5):
+            return None
+    except (RuntimeError, NotImplementedError):
+        return None
+    return linear
+
+
+def choose(rows: int, k: int, n: int, bias: bool, transposed: bool, dtype: torch.dtype) -> str:
+    """"torch" or "onednn": the routine of a linear of this shape (x [rows, k], weight [n, k] or,
+    `transposed`, the transpose of a [k, n] matrix), settled once per shape and machine."""
+    setting = os.environ.get(ROUTINE_ENV, "")
+    if setting not in ("", *ROUTINES):
+        raise ValueError(f"{ROUTINE_ENV}={setting!r}: expected one of {', '.join(ROUTINES)} (or unset: timed)")
+    if dtype != torch.float32 or not (rows and k and n) or onednn() is None:
+        return "torch"
+    if setting or 2 * rows * k * n < MIN_FLOPS:
+        return setting or "torch"
+    key = _key(rows, k, n, bias, transposed)
+    chosen = _kept.get(key) or _recorded(key)
+    if chosen is None:
+        times = _timed(_candidates(rows, k, n, bias, transposed))
+        chosen = min(times, key=times.get)
+        _keep(key, chosen, times)
+    _kept[key] = chosen
+    return chosen
+
+
+_kept: dict[str, str] = {}  # this process's picks: record key -> routine
+
+
+def _candidates(rows: int, k: int, n: int, bias: bool, transposed: bool) -> dict:
+    """Each routine on operands of the shape, run as a step runs it: torch's GEMM into a buffer
+    of its own (the wrapper hands it a warm one), oneDNN's making its result."""
+    x = torch.randn(rows, k)
+    w = torch.randn(k, n).t() if transposed else torch.randn(n, k)
+    b = torch.randn(n) if bias else None
+    out, dnn = torch.empty(rows, n), onednn()
+    if b is None:
+        return {"torch": lambda: torch.mm(x, w.t(), out=out), "onednn": lambda: dnn(x, w)}
+    return {"torch": lambda: torch.addmm(b, x, w.t(), out=out), "onednn": lambda: dnn(x, w, b)}
+
+
+def _timed(runs: dict) -> dict[str, float]:
+    """Median seconds per call of each routine, in interleaved rounds."""
+    calls = {}
+    for name, run in runs.items():
+        run()  # (warm: oneDNN makes its primitive, the buffer is touched)
+        start = time.perf_counter()
+        run()
+        calls[name] = max(1, min(MAX_CALLS, int(ROUND_SECONDS / max(time.perf_counter() - start, 1e-9))))
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(ROUNDS):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            for _ in range(calls[name]):
+                run()
+            times[name].append((time.perf_counter() - start) / calls[name])
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def _key(rows: int, k: int, n: int, bias: bool, transposed: bool) -> str:
+    text = json.dumps([VERSION, os.cpu_count(), torch.get_num_threads(), torch.__version__,
+                       rows, k, n, bias, transposed])
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def _path(key: str):
+    return cache_dir() / "cpu_linear" / f"{key}.json"
+
+
+def _recorded(key: str) -> str | None:
+    try:
+        chosen = json.loads(_path(key).read_text())["routine"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return chosen if chosen in ROUTINES else None
+
+
+def _keep(key: str, chosen: str, times: dict) -> None:
+    path = _path(key)
+    try:
+        path.parent.mkdir(mode=0o700, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"routine": chosen, "times_us": {n: t * 1e6 for n, t in times.items()}}))
+        os.replace(tmp, path)
+    except OSError:  # (a read-only cache: the pick holds for this process only)
+        pass

@@ -1,0 +1,116 @@
+"""CPU linears through torch's GEMM or oneDNN's inner product (egraph_compiler/cpu_linear.py):
+each routine gives eager's answer on the shapes steps hand it, the pick is timed once per shape
+and kept on disk, and a linear oneDNN runs gets no buffer from the wrapper."""
+import platform
+
+import pytest
+import torch
+
+import egraph_compiler as egc
+from egraph_compiler import cpu_linear
+
+needs_onednn = pytest.mark.skipif(cpu_linear.onednn() is None, reason="this torch has no oneDNN linear")
+
+
+def mlp(x, w1, b1, w2):  # a biased linear, a relu, a linear without bias
+    return torch.relu(x @ w1.t() + b1) @ w2.t()
+
+
+def conv1d(x, w, b):  # GPT-2's Conv1D: the weight stored [in, out]
+    return torch.addmm(b, x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[1])
+
+
+def affine(x, w, b):  # a biased linear the program returns: the bias stays in the library call
+    return torch.nn.functional.linear(x, w, b)
+
+
+def head(x, w):  # a linear of a transposed view: the step reads it through the environment
+    return x.transpose(0, 1) @ w.t()
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64" or not torch.backends.mkldnn.is_available(),
+                    reason="oneDNN's linear is looked for on x86-64 builds with oneDNN")
+def test_onednn_is_found_where_torch_has_it():  # (else every test below skips, and CI tests one routine)
+    assert cpu_linear.onednn() is not None
+
+
+CASES = [
+    (mlp, lambda r: (r(2, 24, 32), r(48, 32), r(48), r(16, 48))),
+    (mlp, lambda r: (r(3, 3, 3), r(3, 3), r(3), r(3, 3))),  # square everywhere
+    (mlp, lambda r: (r(1, 1, 8), r(8, 8), r(8), r(1, 8))),  # one row, one output
+    (mlp, lambda r: (r(0, 5, 8), r(4, 8), r(4), r(2, 4))),  # no rows
+    (conv1d, lambda r: (r(2, 12, 16), r(16, 40), r(40))),
+    (affine, lambda r: (r(2, 12, 16), r(40, 16), r(40))),
+    (head, lambda r: (r(6, 4, 16), r(24, 16))),
+]
+
+
+@needs_onednn
+@pytest.mark.parametrize("routine", ["torch", "onednn"])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_each_routine_gives_eagers_answer(case, routine, monkeypatch):
+    monkeypatch.setenv(cpu_linear.ROUTINE_ENV, routine)
+    fn, make = CASES[case]
+    gen = torch.Generator().manual_seed(case)
+    args = make(lambda *shape: torch.randn(*shape, generator=gen))
+    compiled = egc.compile(fn, args)
+    torch.testing.assert_close(compiled(*args), fn(*args), rtol=1e-5, atol=1e-5)
+    library = [k for k in compiled.plan.kernels if k.output.op == "linear"]
+    assert library, compiled.plan  # (the linears are library calls, not generated loops)
+
+
+@needs_onednn
+def test_a_linear_onednn_runs_gets_no_buffer_from_the_wrapper(monkeypatch):
+    gen = torch.Generator().manual_seed(0)
+    args = [torch.randn(*s, generator=gen) for s in ((64, 32), (48, 32), (48,), (16, 48))]
+    sources = {}
+    for routine in ("torch", "onednn"):
+        monkeypatch.setenv(cpu_linear.ROUTINE_ENV, routine)
+        compiled = egc.compile(mlp, args)
+        sources[routine] = compiled._executable.wrapper.source
+        torch.testing.assert_close(compiled(*args), mlp(*args), rtol=1e-5, atol=1e-5)
+    assert "into t" in sources["torch"] and "_empty_t" in sources["torch"]
+    assert "into t" not in sources["onednn"] and "_empty_t" not in sources["onednn"]
+
+
+def test_a_routine_that_is_not_one_is_refused(monkeypatch):
+    monkeypatch.setenv(cpu_linear.ROUTINE_ENV, "mkl")
+    with pytest.raises(ValueError, match="EGC_CPU_LINEAR='mkl': expected one of torch, onednn"):
+        cpu_linear.choose(512, 256, 1024, True, False, torch.float32)
+
+
+@needs_onednn
+def test_the_pick_is_timed_once_per_shape_and_kept_on_disk(monkeypatch, tmp_path):
+    monkeypatch.delenv(cpu_linear.ROUTINE_ENV, raising=False)
+    monkeypatch.setenv("EGC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_linear, "_kept", {})
+    timed = []
+    real = cpu_linear._timed
+
+    def counted(runs):
+        timed.append(sorted(runs))
+        return real(runs)
+    monkeypatch.setattr(cpu_linear, "_timed", counted)
+    shape = (256, 128, 512)  # 2 * 256 * 128 * 512 = 32 MFLOP, above MIN_FLOPS
+    first = cpu_linear.choose(*shape, True, False, torch.float32)
+    assert first in cpu_linear.ROUTINES and timed == [["onednn", "torch"]]
+    assert len(list((tmp_path / "cpu_linear").glob("*.json"))) == 1
+    monkeypatch.setattr(cpu_linear, "_kept", {})  # (a new process: only the disk remembers)
+    assert cpu_linear.choose(*shape, True, False, torch.float32) == first and len(timed) == 1
+    # below MIN_FLOPS, another dtype, no rows: torch's GEMM, never timed
+    assert cpu_linear.choose(32, 64, 64, True, False, torch.float32) == "torch"
+    assert cpu_linear.choose(*shape, True, False, torch.bfloat16) == "torch"
+    assert cpu_linear.choose(0, 128, 512, True, False, torch.float32) == "torch"
+    assert len(timed) == 1
+
+
+@needs_onednn
+def test_a_large_model_linear_matches_eager_whichever_routine_is_picked(monkeypatch, tmp_path):
+    monkeypatch.delenv(cpu_linear.ROUTINE_ENV, raising=False)
+    monkeypatch.setenv("EGC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_linear, "_kept", {})
+    gen = torch.Generator().manual_seed(1)
+    args = [torch.randn(*s, generator=gen) for s in ((2, 128, 128), (512, 128), (512,), (128, 512))]
+    compiled = egc.compile(mlp, args)
+    torch.testing.assert_close(compiled(*args), mlp(*args), rtol=1e-4, atol=1e-4)
+    assert len(cpu_linear._kept) == 2  # (both linears are above MIN_FLOPS: each timed, each kept)
