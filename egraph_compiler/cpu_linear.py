@@ -45,8 +45,8 @@ def onednn():
     if op is None:
         return None
 
-    def linear(x, w, b=None):
-        return op(x, w, b, "none", [], "")
+    def linear(x, w, b=None):  # (a bias of stride 0, expanded from one value, was read as if dense:
+        return op(x, w, b if b is None or b.is_contiguous() else b.contiguous(), "none", [], "")  # soak 34001)
     try:
         gen = torch.Generator().manual_seed(0)
         x, w, b = (torch.randn(shape, generator=gen) for shape in ((5, 7), (3, 7), (3,)))

@@ -24,6 +24,11 @@ def affine(x, w, b):  # a biased linear the program returns: the bias stays in t
     return torch.nn.functional.linear(x, w, b)
 
 
+def broadcast(x, w, s):  # a bias and an input expanded from one value: stride 0 (soak 34001)
+    top = (-s.amax()).expand(w.shape[0])
+    return torch.nn.functional.linear(top, w, top), torch.nn.functional.linear(x, w, top)
+
+
 def head(x, w):  # a linear of a transposed view: the step reads it through the environment
     return x.transpose(0, 1) @ w.t()
 
@@ -42,6 +47,7 @@ CASES = [
     (conv1d, lambda r: (r(2, 12, 16), r(16, 40), r(40))),
     (affine, lambda r: (r(2, 12, 16), r(40, 16), r(40))),
     (head, lambda r: (r(6, 4, 16), r(24, 16))),
+    (broadcast, lambda r: (r(5, 3), r(3, 3), r(3, 7))),
 ]
 
 
