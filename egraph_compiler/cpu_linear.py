@@ -10,8 +10,10 @@ So a float32 linear of at least `MIN_FLOPS` is timed both ways when a program ho
 compiled, on random operands of its shape run as its step would run them (interleaved rounds, the
 median per routine), and the faster routine is kept: in this process, and on disk by the shape,
 the thread count, the core count and torch's version, so a later compile of the same shape does
-not time again.  The wrapper then allocates a buffer for torch's GEMM only (wrapper.into_buffer).  A smaller linear, another dtype, an empty
-one, or a torch without oneDNN runs torch's GEMM untimed.  Both routines compute the same product
+not time again.  The wrapper then allocates a buffer for torch's GEMM only (wrapper.into_buffer).
+A smaller linear, one past `MAX_FLOPS` or `MAX_BYTES` (timing would cost seconds of compile, or a
+second copy of a large weight), another dtype, an empty one, or a torch without oneDNN runs
+torch's GEMM untimed.  Both routines compute the same product
 (their sums differ in rounding only, as eager's own kernels do between shapes).
 
 `EGC_CPU_LINEAR=torch|onednn` fixes the routine (wherever oneDNN can run the linear), for A/B runs
@@ -32,6 +34,8 @@ from .cache import cache_dir
 
 ROUTINE_ENV = "EGC_CPU_LINEAR"
 MIN_FLOPS = 1 << 24  # below this, oneDNN's fixed cost per call outweighs what it saves: never timed
+# above either, timing would cost seconds of compile or a second copy of a large weight: not timed
+MAX_FLOPS, MAX_BYTES = 1 << 33, 1 << 29
 VERSION = 1  # of the records on disk
 ROUNDS, ROUND_SECONDS, MAX_CALLS = 5, 0.002, 20  # timing: rounds per routine, calls per round about this long
 ROUTINES = ("torch", "onednn")
@@ -65,8 +69,10 @@ def choose(rows: int, k: int, n: int, bias: bool, transposed: bool, dtype: torch
         raise ValueError(f"{ROUTINE_ENV}={setting!r}: expected one of {', '.join(ROUTINES)} (or unset: timed)")
     if dtype != torch.float32 or not (rows and k and n) or onednn() is None:
         return "torch"
-    if setting or 2 * rows * k * n < MIN_FLOPS:
-        return setting or "torch"
+    if setting:
+        return setting
+    if not MIN_FLOPS <= 2 * rows * k * n <= MAX_FLOPS or 4 * (rows * k + k * n + rows * n) > MAX_BYTES:
+        return "torch"
     key = _key(rows, k, n, bias, transposed)
     chosen = _kept.get(key) or _recorded(key)
     if chosen is None:

@@ -107,6 +107,7 @@ def test_the_pick_is_timed_once_per_shape_and_kept_on_disk(monkeypatch, tmp_path
     assert cpu_linear.choose(32, 64, 64, True, False, torch.float32) == "torch"
     assert cpu_linear.choose(*shape, True, False, torch.bfloat16) == "torch"
     assert cpu_linear.choose(0, 128, 512, True, False, torch.float32) == "torch"
+    assert cpu_linear.choose(1 << 12, 1 << 12, 1 << 12, True, False, torch.float32) == "torch"  # 137 GFLOP
     assert len(timed) == 1
 
 
