@@ -136,6 +136,10 @@ def moves_inner_dim(op: str, attrs, shape) -> bool:
     return False
 
 
+# linears with their epilogue in oneDNN's call (ops.py): a linear's FLOPs, the epilogue's next to none
+ONEDNN_LINEARS = ("linear_silu", "linear_gelu_tanh", "linear_mul")
+
+
 # ops whose value a consumer's kernel computes per element where it reads it (a reduction or a
 # row op inside a kernel is computed once per row, however often its value is read)
 ELEMENTWISE = frozenset({"pointwise", "layout", "concat", "gather", "source"})
@@ -173,7 +177,7 @@ def op_flops(op: str, out_shape, in_shapes, profile: DeviceProfile | None = None
 
 def _table_flops(op: str, out_shape, in_shapes) -> float:
     opdef = ops.get(op)
-    if op in ("matmul", "linear"):
+    if op in ("matmul", "linear") or op in ONEDNN_LINEARS:
         k = in_shapes[0][-1]
         return 2.0 * math.prod(out_shape) * k
     if op == "conv2d":  # each output element: a dot product over in_channels/groups x kernel window

@@ -326,6 +326,13 @@ _op("gather", "gather", 2, [("dim", "int")], gather_shape, 0, lambda t, a: torch
 # library calls
 _op("matmul", "library", 2, [], matmul_shape, 2, lambda t, a: torch.matmul(t[0], t[1]))
 _op("linear", "library", 3, [], linear_shape, 2, lambda t, a: F.linear(t[0], t[1], t[2]))
+# linears with an activation, or a product by a tensor of the result's shape, in oneDNN's epilogue
+# (rules/onednn.rules, CPU only; cpu_linear.py): elsewhere these run as written
+_op("linear_silu", "library", 3, [], linear_shape, 2, lambda t, a: F.silu(F.linear(t[0], t[1], t[2])))
+_op("linear_gelu_tanh", "library", 3, [], linear_shape, 2,
+    lambda t, a: F.gelu(F.linear(t[0], t[1], t[2]), approximate="tanh"))
+_op("linear_mul", "library", 4, [], lambda s, a: linear_shape(s[:3], a), 2,
+    lambda t, a: F.linear(t[0], t[1], t[2]) * t[3])
 _CONV = [("stride", "ints"), ("padding", "ints"), ("dilation", "ints"), ("groups", "int")]
 _op("conv2d", "library", 3, _CONV, conv2d_shape, 2, library.conv2d)
 # gradients that AOTAutograd's backward graphs hold (convolution_backward's outputs, one op each;

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from .codegen import get_target
 from .codegen.walker import unique_kernels
 from . import capture as capture_mod
-from . import remote
+from . import cpu_linear, remote
 from .calibrate import profile_for
 from .dsl.library import LOWERING, check_unique, library_phases, library_rules, load_user_items, schedule, select
 from .dsl.parser import Phase
@@ -143,7 +143,9 @@ def build_egraph(fn, example_inputs, options: Options, levels: Levels | None = N
     levels.graph = str(graph)
     _check_externs(graph, options.strict)
     user = load_user_items(options.rules)
-    rules = [r for r in library_rules() if r.group != LOWERING] + [r for r in user if not isinstance(r, Phase)]
+    cpu = _onednn_target(options.target, example_inputs)
+    rules = [r for r in library_rules() if r.group != LOWERING and (cpu or r.group != cpu_linear.RULES)] + \
+        [r for r in user if not isinstance(r, Phase)]
     check_unique(rules)
     if not options.trust_rules:
         check_user_rules(user)  # each user rule verified on tensors once (cached by its text)
@@ -191,6 +193,17 @@ def prepare(target, example_inputs=()) -> None:
             return
     if target.prepare is not None:
         target.prepare()
+
+
+def _onednn_target(name: str | None, example_inputs) -> bool:
+    """Whether oneDNN's linears with their epilogues (rules/onednn.rules) are installed: the C++
+    target (not Triton's on CPU tensors, which tests its renderer), where they are asked for and
+    this torch has them (cpu_linear.epilogues)."""
+    try:
+        target = _target(name, [x for x in example_inputs if hasattr(x, "device")])
+    except EgraphCompilerError:
+        return False  # (the compile reports it)
+    return target.name == "cpu" and cpu_linear.epilogues()
 
 
 def _target(name: str | None, example_inputs):

@@ -21,6 +21,7 @@ from torch._prims_common import make_contiguous_strides_for
 
 from . import cpu_linear, flash, library, masks, ops
 from .errors import CodegenError
+from .cost import ONEDNN_LINEARS
 from .graph import WEAK, Node, view_source
 
 _GUARDS = getattr(torch._C, "_dynamo", None) and getattr(torch._C._dynamo, "guards", None)
@@ -172,6 +173,10 @@ class TorchSteps:
             return node.attr("target").run
         if node.op == "linear":
             return self._linear(node)
+        if node.op in ONEDNN_LINEARS:
+            fused = self._onednn_epilogue(node)
+            if fused is not None:
+                return fused
         reference, attrs = ops.get(node.op).reference, node.a
         if node.op in ("sdpa_mask", "softmax_attention") and self.device == "cuda":
             return self._masked_attention(node)
@@ -196,6 +201,18 @@ class TorchSteps:
         if no_bias(node):
             return lambda args: linear(args[0], args[1])
         return lambda args: linear(args[0], args[1], args[2])
+
+    def _onednn_epilogue(self, node: Node):
+        """A linear with its epilogue (rules/onednn.rules) as oneDNN's one call, on a CPU with
+        operands of float32 and no empty dim (oneDNN refuses a product over none); None where it
+        runs as written (the op table's reference)."""
+        x, w = node.args[0], node.args[1]
+        operands = [a for i, a in enumerate(node.args) if i != 2 or not no_bias(node)]
+        if (self.device != "cpu" or not math.prod(node.shape) or not w.shape[1]
+                or any(a.dtype != "float32" for a in operands + [node]) or len(w.shape) != 2 or x.op == "const"
+                or (not no_bias(node) and tuple(node.args[2].shape) != tuple(w.shape[:1]))):
+            return None
+        return cpu_linear.epilogue(node.op, not no_bias(node))
 
     def linear_into(self, node: Node):
         """`linear` (an `into` step: wrapper.py) as one `addmm`/`mm` writing a buffer the wrapper

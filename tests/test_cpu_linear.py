@@ -1,6 +1,7 @@
 """CPU linears through torch's GEMM or oneDNN's inner product (egraph_compiler/cpu_linear.py):
 each routine gives eager's answer on the shapes steps hand it, the pick is timed once per shape
-and kept on disk, and a linear oneDNN runs gets no buffer from the wrapper."""
+and kept on disk, a linear oneDNN runs gets no buffer from the wrapper, and oneDNN's epilogues
+(rules/onednn.rules) are installed only where asked for, and give eager's answer."""
 import platform
 
 import pytest
@@ -8,6 +9,7 @@ import torch
 
 import egraph_compiler as egc
 from egraph_compiler import cpu_linear
+from egraph_compiler.cost import ONEDNN_LINEARS
 
 needs_onednn = pytest.mark.skipif(cpu_linear.onednn() is None, reason="this torch has no oneDNN linear")
 
@@ -81,13 +83,13 @@ def test_a_linear_onednn_runs_gets_no_buffer_from_the_wrapper(monkeypatch):
 
 def test_a_routine_that_is_not_one_is_refused(monkeypatch):
     monkeypatch.setenv(cpu_linear.ROUTINE_ENV, "mkl")
-    with pytest.raises(ValueError, match="EGC_CPU_LINEAR='mkl': expected one of torch, onednn"):
+    with pytest.raises(ValueError, match="EGC_CPU_LINEAR='mkl': expected one of torch, timed, onednn"):
         cpu_linear.choose(512, 256, 1024, True, False, torch.float32)
 
 
 @needs_onednn
 def test_the_pick_is_timed_once_per_shape_and_kept_on_disk(monkeypatch, tmp_path):
-    monkeypatch.delenv(cpu_linear.ROUTINE_ENV, raising=False)
+    monkeypatch.setenv(cpu_linear.ROUTINE_ENV, "timed")
     monkeypatch.setenv("EGC_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(cpu_linear, "_kept", {})
     timed = []
@@ -113,7 +115,7 @@ def test_the_pick_is_timed_once_per_shape_and_kept_on_disk(monkeypatch, tmp_path
 
 @needs_onednn
 def test_a_large_model_linear_matches_eager_whichever_routine_is_picked(monkeypatch, tmp_path):
-    monkeypatch.delenv(cpu_linear.ROUTINE_ENV, raising=False)
+    monkeypatch.setenv(cpu_linear.ROUTINE_ENV, "timed")
     monkeypatch.setenv("EGC_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(cpu_linear, "_kept", {})
     gen = torch.Generator().manual_seed(1)
@@ -121,3 +123,55 @@ def test_a_large_model_linear_matches_eager_whichever_routine_is_picked(monkeypa
     compiled = egc.compile(mlp, args)
     torch.testing.assert_close(compiled(*args), mlp(*args), rtol=1e-4, atol=1e-4)
     assert len(cpu_linear._kept) == 2  # (both linears are above MIN_FLOPS: each timed, each kept)
+
+
+def test_torchs_gemm_by_default_untimed(monkeypatch):
+    monkeypatch.delenv(cpu_linear.ROUTINE_ENV, raising=False)
+    monkeypatch.setattr(cpu_linear, "_timed", None)  # (a call would raise)
+    assert cpu_linear.choose(512, 256, 1024, True, False, torch.float32) == "torch"
+    assert not cpu_linear.epilogues()
+
+
+def swiglu(x, wg, wu, wd):  # LLaMA's MLP: silu(gate) * up, then down
+    return torch.nn.functional.linear(torch.nn.functional.silu(x @ wg.t()) * (x @ wu.t()), wd)
+
+
+def gelu_new(x, w1, b1, w2):  # GPT-2's MLP, gelu's tanh form written out with pow
+    h = x @ w1.t() + b1
+    return (0.5 * h * (1.0 + torch.tanh(0.7978845608028654 * (h + 0.044715 * torch.pow(h, 3.0))))) @ w2.t()
+
+
+EPILOGUES = [
+    (swiglu, lambda r: (r(2, 8, 16), r(24, 16), r(24, 16), r(16, 24)), {"linear_silu", "linear_mul"}),
+    (swiglu, lambda r: (r(5, 16), r(24, 16), r(24, 16), r(16, 24)), {"linear_silu", "linear_mul"}),
+    (gelu_new, lambda r: (r(2, 8, 16), r(32, 16), r(32), r(16, 32)), {"linear_gelu_tanh"}),
+    # no rows: oneDNN refuses an empty product, so the step runs the plan's op as written
+    (gelu_new, lambda r: (r(0, 16), r(32, 16), r(32), r(16, 32)), {"linear_gelu_tanh"}),
+]
+
+
+@needs_onednn
+@pytest.mark.parametrize("case", range(len(EPILOGUES)))
+def test_onednns_epilogues_where_asked_for_give_eagers_answer(case, monkeypatch):
+    fn, make, fused = EPILOGUES[case]
+    gen = torch.Generator().manual_seed(case)
+    args = make(lambda *shape: torch.randn(*shape, generator=gen))
+    for asked in ("torch", "onednn"):
+        monkeypatch.setenv(cpu_linear.ROUTINE_ENV, asked)
+        compiled = egc.compile(fn, args)
+        torch.testing.assert_close(compiled(*args), fn(*args), rtol=1e-5, atol=1e-5)
+        ops = {k.output.op for k in compiled.plan.kernels}
+        assert ops & set(ONEDNN_LINEARS) == (set() if asked == "torch" else fused), compiled.plan
+        if fused and asked == "onednn":
+            assert not any(k.kind == "generated" for k in compiled.plan.kernels), compiled.plan
+
+
+@needs_onednn
+def test_onednns_epilogues_are_not_installed_for_triton(monkeypatch):
+    monkeypatch.setenv(cpu_linear.ROUTINE_ENV, "onednn")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    gen = torch.Generator().manual_seed(3)
+    args = [torch.randn(*s, generator=gen) for s in ((2, 8, 16), (32, 16), (32,), (16, 32))]
+    compiled = egc.compile(gelu_new, args, target="triton")
+    assert not {k.output.op for k in compiled.plan.kernels} & set(ONEDNN_LINEARS), compiled.plan
+    torch.testing.assert_close(compiled(*args), gelu_new(*args), rtol=1e-5, atol=1e-5)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import pytest
@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 import egraph_compiler
-from egraph_compiler import UnsupportedOpError, flash, ops, pipeline
+from egraph_compiler import UnsupportedOpError, cpu_linear, flash, ops, pipeline
 from egraph_compiler.plan import verify_plan
 
 ATOL = RTOL = 1e-5
@@ -68,6 +68,7 @@ class OpCase:
     fallback: str | None = None  # a plan.fallbacks entry must start with this; None: no fallbacks at all
     atol: float = ATOL
     rtol: float = RTOL
+    env: dict = field(default_factory=dict)  # environment for the compile (oneDNN's linears are asked for)
 
 
 C = OpCase
@@ -192,6 +193,13 @@ CASES: list[OpCase] = [
     # ---- library calls ----
     C("linear_bias_and_no_bias_3d", "linear", lambda x, w, b, x3: (F.linear(x, w, b), F.linear(x3, w)),
       lambda: (randn(3, 8), randn(5, 8), randn(5), randn(2, 3, 8))),
+    # oneDNN's linears with their epilogue (rules/onednn.rules), where EGC_CPU_LINEAR asks for them
+    C("linear_silu_onednn", "linear_silu", lambda x, w, b: F.silu(F.linear(x, w, b)),
+      lambda: (randn(2, 3, 8), randn(5, 8), randn(5)), env={"EGC_CPU_LINEAR": "onednn"}),
+    C("linear_gelu_tanh_onednn", "linear_gelu_tanh", lambda x, w: F.gelu(F.linear(x, w), approximate="tanh"),
+      lambda: (randn(3, 8), randn(5, 8)), env={"EGC_CPU_LINEAR": "onednn"}),
+    C("linear_mul_onednn", "linear_mul", lambda x, w, b, y: F.linear(x, w, b) * y,
+      lambda: (randn(2, 3, 8), randn(5, 8), randn(5), randn(2, 3, 5)), env={"EGC_CPU_LINEAR": "onednn"}),
     C("sdpa_no_mask_causal_scale", "sdpa",
       lambda q, k, v: (F.scaled_dot_product_attention(q, k, v),
                        F.scaled_dot_product_attention(q, k, v, is_causal=True),
@@ -303,7 +311,11 @@ def captured_ops(compiled) -> set[str]:
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
-def test_op(case: OpCase):
+def test_op(case: OpCase, monkeypatch):
+    if case.env and cpu_linear.onednn() is None:
+        pytest.skip("this torch has no oneDNN linear")
+    for name, value in case.env.items():
+        monkeypatch.setenv(name, value)
     torch.manual_seed(0)
     example = case.make()
     compiled = _compile_quietly(case.fn, example)

@@ -66,6 +66,17 @@ def test_user_rule_changes_the_plan():
     torch.testing.assert_close(ruled(x), twice_relu(x))
 
 
+@pytest.mark.parametrize("dim", [0, 1, -2, -1])
+def test_a_size_condition_holds_by_either_index(dim):
+    x = torch.randn(3, 5)
+    size = x.shape[dim]
+    rule = f"rule relu_idempotent_sized: relu(relu(x)) => relu(x) if size(x, {dim}) == {size}\n"
+    ruled = egc.compile(lambda x: torch.relu(torch.relu(x)), [x], rules=[rule])
+    assert ruled.plan.count("relu") == 1 and ruled.plan.rules_fired["relu_idempotent_sized"] >= 1
+    other = f"rule relu_idempotent_sized: relu(relu(x)) => relu(x) if size(x, {dim}) == {size + 1}\n"
+    assert egc.compile(lambda x: torch.relu(torch.relu(x)), [x], rules=[other]).plan.count("relu") == 2
+
+
 def test_user_rule_file_by_path(tmp_path):
     path = tmp_path / "mine.rules"
     path.write_text("rule neg_sub: neg(sub(a, b)) => sub(b, a)   # -(a - b) = b - a\n")

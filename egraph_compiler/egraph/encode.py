@@ -142,10 +142,12 @@ def term_text(op: str, operands: list[str], attrs: dict) -> str:
 
 
 def facts_text(type_id: int, shape, dtype: str) -> str:
-    """The facts of one type id (dims are indexed negatively)."""
+    """The facts of one type id (each dim under its negative index and its index from the front:
+    `size(x, 0)` in a rule's condition never held while only the negative ones were set)."""
     lines = [f"(set (ty-rank {type_id}) {len(shape)})", f"(set (ty-dtype {type_id}) {json.dumps(dtype)})",
              f"(set (ty-shape {type_id}) {json.dumps(','.join(map(str, shape)))})"]
     lines += [f"(set (ty-dim {type_id} {d - len(shape)}) {n})" for d, n in enumerate(shape)]
+    lines += [f"(set (ty-dim {type_id} {d}) {n})" for d, n in enumerate(shape)]
     return "\n".join(lines)
 
 
