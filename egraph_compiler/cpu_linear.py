@@ -93,7 +93,8 @@ def choose(rows: int, k: int, n: int, bias: bool, transposed: bool, dtype: torch
     key = _key(rows, k, n, bias, transposed)
     chosen = _kept.get(key) or _recorded(key)
     if chosen is None:
-        times = _timed(_candidates(rows, k, n, bias, transposed))
+        with torch.no_grad(), torch.autocast("cpu", enabled=False):  # (a compile inside the user's autocast)
+            times = _timed(_candidates(rows, k, n, bias, transposed))
         chosen = min(times, key=times.get)
         _keep(key, chosen, times)
     _kept[key] = chosen
