@@ -143,13 +143,13 @@ def build_egraph(fn, example_inputs, options: Options, levels: Levels | None = N
     levels.graph = str(graph)
     _check_externs(graph, options.strict)
     user = load_user_items(options.rules)
-    cpu = _onednn_target(options.target, example_inputs)
-    rules = [r for r in library_rules() if r.group != LOWERING and (cpu or r.group != cpu_linear.RULES)] + \
-        [r for r in user if not isinstance(r, Phase)]
+    rules = [r for r in library_rules() if r.group != LOWERING] + [r for r in user if not isinstance(r, Phase)]
     check_unique(rules)
     if not options.trust_rules:
         check_user_rules(user)  # each user rule verified on tensors once (cached by its text)
     rules = select(rules, options.disable, options.unsafe)
+    if not _onednn_target(options.target, example_inputs):  # (after select: disabling them is never an error)
+        rules = [r for r in rules if r.group != cpu_linear.RULES]
     phases = library_phases() + [p for p in user if isinstance(p, Phase)]
     levels.timings["capture"] = time.perf_counter() - clock
 

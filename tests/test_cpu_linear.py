@@ -130,6 +130,9 @@ def test_torchs_gemm_by_default_untimed(monkeypatch):
     monkeypatch.setattr(cpu_linear, "_timed", None)  # (a call would raise)
     assert cpu_linear.choose(512, 256, 1024, True, False, torch.float32) == "torch"
     assert not cpu_linear.epilogues()
+    args = [torch.randn(4, 8), torch.randn(6, 8)]
+    compiled = egc.compile(lambda x, w: torch.nn.functional.silu(x @ w.t()), args, disable=["onednn"])
+    torch.testing.assert_close(compiled(*args), torch.nn.functional.silu(args[0] @ args[1].t()))
 
 
 def swiglu(x, wg, wu, wd):  # LLaMA's MLP: silu(gate) * up, then down
