@@ -29,7 +29,7 @@ import os
 import time
 from dataclasses import asdict, dataclass
 
-from egraph_compiler.cache import cache_dir
+from egraph_compiler.cache import read_record, write_record
 
 from .triton import _pow2
 
@@ -99,10 +99,6 @@ def record_key(source: str, device_name: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
-def _record_path(key: str):
-    return cache_dir() / "triton_tuning" / f"{key}.json"
-
-
 def to_compile(shape, tune: bool) -> list:
     """The launch shapes a kernel's first launch may use: every candidate where it is tuned."""
     return [configured(shape, c) for c in candidates(shape)] if tune else [shape]
@@ -110,20 +106,16 @@ def to_compile(shape, tune: bool) -> list:
 
 def recorded(key: str, options: list[Config]) -> Config | None:
     """The configuration kept for this kernel, if it is one of its candidates."""
+    data = read_record("triton_tuning", key)
     try:
-        data = json.loads(_record_path(key).read_text())
         config = Config(int(data["xblock"]), int(data["rblock"]), int(data["warps"]))
-    except (OSError, ValueError, KeyError, TypeError):
+    except (KeyError, TypeError, ValueError):
         return None
     return config if config in options else None
 
 
 def keep(key: str, config: Config, times: dict) -> None:
-    path = _record_path(key)
-    path.parent.mkdir(mode=0o700, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({**asdict(config), "times_ms": times}))
-    os.replace(tmp, path)
+    write_record("triton_tuning", key, {**asdict(config), "times_ms": times})
 
 
 class Tuned:

@@ -40,7 +40,7 @@ def alternatives(fn, example_inputs, count: int = 5, budget: int = 200, **option
     opts = Options(**options)
     target = _target(opts.target, inputs)
     levels = Levels()
-    graph, eclasses, report, rules = build_egraph(fn, inputs, opts, levels)
+    graph, eclasses, report, rules = build_egraph(fn, inputs, opts, levels, target)
     profile = profile_of(opts, target)
 
     def plan_without(banned: frozenset):

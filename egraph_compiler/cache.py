@@ -11,6 +11,7 @@ refused, and an unusable directory falls back to a private temporary one.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shlex
 import shutil
@@ -224,3 +225,26 @@ def _save(source: str, path: Path) -> Path:
         with os.fdopen(fd, "w") as f:
             f.write(source)
         return Path(name)
+
+
+def read_record(kind: str, key: str) -> dict | None:
+    """A small decision kept on disk under `kind` (a tuned kernel's configuration, a linear's
+    routine), or None where there is none or it is unreadable."""
+    try:
+        data = json.loads((cache_dir() / kind / f"{key}.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def write_record(kind: str, key: str, data: dict) -> None:
+    """Keep `data` as `read_record(kind, key)`, written whole (a temporary file renamed into
+    place); a cache that cannot be written keeps the decision for this process only."""
+    path = cache_dir() / kind / f"{key}.json"
+    try:
+        path.parent.mkdir(mode=0o700, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data))
+        os.replace(tmp, path)
+    except OSError:
+        pass

@@ -34,7 +34,7 @@ import time
 
 import torch
 
-from .cache import cache_dir
+from .cache import read_record, write_record
 
 ROUTINE_ENV = "EGC_CPU_LINEAR"
 RULES = "onednn"  # the rule group of linears with their epilogue in oneDNN's call (rules/onednn.rules)
@@ -140,27 +140,13 @@ def _key(rows: int, k: int, n: int, bias: bool, transposed: bool) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
-def _path(key: str):
-    return cache_dir() / "cpu_linear" / f"{key}.json"
-
-
 def _recorded(key: str) -> str | None:
-    try:
-        chosen = json.loads(_path(key).read_text())["routine"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+    chosen = (read_record("cpu_linear", key) or {}).get("routine")
     return chosen if chosen in ROUTINES else None
 
 
 def _keep(key: str, chosen: str, times: dict) -> None:
-    path = _path(key)
-    try:
-        path.parent.mkdir(mode=0o700, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"routine": chosen, "times_us": {n: t * 1e6 for n, t in times.items()}}))
-        os.replace(tmp, path)
-    except OSError:  # (a read-only cache: the pick holds for this process only)
-        pass
+    write_record("cpu_linear", key, {"routine": chosen, "times_us": {n: t * 1e6 for n, t in times.items()}})
 
 
 def epilogue(op: str, bias: bool):

@@ -90,7 +90,7 @@ def run_pipeline(fn, example_inputs, options: Options):
     target = _target(options.target, example_inputs)
     prepare(target)
     levels = Levels()
-    graph, eclasses, report, rules = build_egraph(fn, example_inputs, options, levels)
+    graph, eclasses, report, rules = build_egraph(fn, example_inputs, options, levels, target)
 
     profile = profile_of(options, target)
     clock = time.perf_counter()
@@ -134,8 +134,9 @@ def profile_of(options: Options, target):
                        ("h200" if target.device == "cuda" else "cpu"))
 
 
-def build_egraph(fn, example_inputs, options: Options, levels: Levels | None = None):
-    """capture -> encode -> rules -> saturate; returns (graph, typed e-classes, report, rules)."""
+def build_egraph(fn, example_inputs, options: Options, levels: Levels | None = None, target=None):
+    """capture -> encode -> rules -> saturate; returns (graph, typed e-classes, report, rules).
+    `target`: the compile's target object (derived from the options and inputs where None)."""
     levels = levels or Levels()
     clock = time.perf_counter()
     graph, levels.aten = capture_mod.capture(fn, example_inputs)
@@ -148,7 +149,7 @@ def build_egraph(fn, example_inputs, options: Options, levels: Levels | None = N
     if not options.trust_rules:
         check_user_rules(user)  # each user rule verified on tensors once (cached by its text)
     rules = select(rules, options.disable, options.unsafe)
-    if not _onednn_target(options.target, example_inputs):  # (after select: disabling them is never an error)
+    if not _onednn_target(target, options.target, example_inputs):  # (after select: disabling them is never an error)
         rules = [r for r in rules if r.group != cpu_linear.RULES]
     phases = library_phases() + [p for p in user if isinstance(p, Phase)]
     levels.timings["capture"] = time.perf_counter() - clock
@@ -195,14 +196,15 @@ def prepare(target, example_inputs=()) -> None:
         target.prepare()
 
 
-def _onednn_target(name: str | None, example_inputs) -> bool:
+def _onednn_target(target, name: str | None, example_inputs) -> bool:
     """Whether oneDNN's linears with their epilogues (rules/onednn.rules) are installed: the C++
     target (not Triton's on CPU tensors, which tests its renderer), where they are asked for and
     this torch has them (cpu_linear.epilogues)."""
-    try:
-        target = _target(name, [x for x in example_inputs if hasattr(x, "device")])
-    except EgraphCompilerError:
-        return False  # (the compile reports it)
+    if target is None:
+        try:
+            target = _target(name, [x for x in example_inputs if hasattr(x, "device")])
+        except EgraphCompilerError:
+            return False  # (the compile reports it)
     return target.name == "cpu" and cpu_linear.epilogues()
 
 
