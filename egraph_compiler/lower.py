@@ -51,16 +51,26 @@ def illegal_edges(root: Node) -> set[int]:
 
 def lower_kernel(kernel: Kernel, buffer_names: dict[int, str], exact_mean: bool = False) -> LoopKernel:
     """`exact_mean` (a target whose sums are double, Target.exact_mean): a mean is a
-    `mean` reduction, its sum divided in double before rounding (see expand_row)."""
+    `mean` reduction, its sum divided in double before rounding (see expand_row).  An
+    elementwise kernel with an `order` (orders.py) loops over its dims in that order and
+    stores densely in it."""
     root = kernel.output
     tree, domain, inner_dims = _layout(root, exact_mean, kernel.fused)
     reduce_root = tree.group == "reduction"
-    lowering = _Lowering(domain, inner_dims, buffer_names, exact_mean, kernel.stored, kernel.fused)
-    if reduce_root:
+    if kernel.order:
+        if reduce_root or kernel.extra_outputs or kernel.order[-1] != len(domain) - 1:
+            raise CodegenError(f"{kernel.name}: a storage order for a kernel that is not elementwise")
+        stored = tuple(domain[d] for d in kernel.order)
+        lowering = _Lowering(stored, inner_dims, buffer_names, exact_mean, kernel.stored, kernel.fused)
+        at = [lowering.index[kernel.order.index(d)] for d in range(len(domain))]
+        value, out_index = lowering.compute(tree, at), lowering.linear(lowering.index, stored)
+    elif reduce_root:
+        lowering = _Lowering(domain, inner_dims, buffer_names, exact_mean, kernel.stored, kernel.fused)
         kept = [lowering.index[d] for d in range(len(domain)) if d not in _dims(tree) or tree.attr("keepdim")]
         value = lowering.compute(tree, kept)
         out_index = lowering.linear(kept, root.shape)
     else:
+        lowering = _Lowering(domain, inner_dims, buffer_names, exact_mean, kernel.stored, kernel.fused)
         value = lowering.compute(tree, lowering.index)
         out_index = lowering.linear(lowering.index, root.shape)
     params = [Param(buffer_names[id(n)], n.dtype, "in") for n in kernel.inputs]
@@ -83,6 +93,19 @@ def lower_kernel(kernel: Kernel, buffer_names: dict[int, str], exact_mean: bool 
         raise CodegenError(f"{kernel.name} would access memory outside a buffer: {problem}")
     _stash_last_reduction(out, root.dtype)
     return out
+
+
+def probe(kernel: Kernel):
+    """The kernel's value at a symbolic index (variable `d<k>` for dim k, loads named "?"), or
+    None where it has reductions or cannot be lowered."""
+    try:
+        tree, domain, _ = _layout(kernel.output, False, kernel.fused)
+    except (IllegalKernel, CodegenError):
+        return None
+    if tree.group == "reduction" or any(n.group == "reduction" for n in kernel.ops):
+        return None
+    lowering = _Lowering(domain, None, {}, False, kernel.stored, kernel.fused)
+    return lowering.compute(tree, lowering.index)
 
 
 def _layout(root: Node, exact_mean: bool = False, fused: frozenset = frozenset()):

@@ -28,6 +28,7 @@ from .egraph.greedy import build, extract_kernels
 from .errors import EgraphCompilerError, UnsupportedOpError
 from .graph import Graph
 from .lower import lower_kernel
+from .orders import storage_orders
 from .plan import Plan, make_plan
 from .runtime import Executable
 from .folding import fold_constants
@@ -108,6 +109,7 @@ def run_pipeline(fn, example_inputs, options: Options):
 def lower_and_load(plan: Plan, rules, target, options: Options, levels: Levels) -> Executable:
     """plan -> loop IR -> source -> a loaded Executable (levels get the texts)."""
     buffer_names = _buffer_names(plan.graph, plan)
+    storage_orders(plan)  # (elementwise outputs that attention reads, kept in their input's order)
     loops = [lower_kernel(k, buffer_names, target.exact_mean) for k in plan.kernels if k.kind == "generated"]
     loops, followers = fuse_siblings(plan, loops, rules)
     for kernel in plan.kernels:

@@ -44,6 +44,7 @@ class Kernel:
     # values other kernels would store (per-row statistics) that this one computes from their
     # operands instead of reading them, and stores itself (sharing.share_row_values; node ids)
     fused: frozenset = frozenset()
+    order: tuple = ()  # the output's dims as stored, outermost first, where not row-major (orders.py)
 
     @property
     def outputs(self) -> list[Node]:
@@ -54,6 +55,7 @@ class Kernel:
         extra = f"  [fallback: {self.reason}]" if self.reason else ""
         extra += f"  [in {self.loop_nest}'s loop nest]" if self.loop_nest else ""
         extra += "".join(f"  [also stores {n.op}: {type_str(n)}]" for n in self.extra_outputs)
+        extra += f"  [stored as dims {self.order}]" if self.order else ""
         return (f"{self.name} ({self.kind}): {names} : {type_str(self.output)}  "
                 f"flops={self.flops:.3g} bytes={self.bytes:.3g} est={self.seconds * 1e6:.1f}us{extra}")
 

@@ -58,8 +58,9 @@ class Executable:
         # inputs that only torch's calls read (a training backward's saved q, k, v, views of the forward's
         # qkv buffer): taken with the caller's strides, never copied to contiguous first
         self._any_strides = frozenset(id(n) for n in self.graph.inputs if id(n) not in generated_reads)
+        ordered = {id(k.output) for k in plan.kernels if k.order}  # (stored in another order: orders.py)
         dense = frozenset([id(n) for n in self.graph.inputs if id(n) not in self._any_strides]
-                          + [id(n) for n in nodes.values()])
+                          + [id(n) for n in nodes.values() if id(n) not in ordered])
         computed = frozenset(id(n) for k in plan.kernels for n in k.outputs)
         self.steps = TorchSteps(target.device, dense, computed)  # library calls, fallbacks and views (steps.py)
         self.wrapper = straight_line(self, {lk.name: lk for lk in loops}, nodes, release)

@@ -35,10 +35,11 @@ def reinterpret(base: torch.Tensor, size, stride, offset: int) -> torch.Tensor:
     return base.as_strided(size, stride, base.storage_offset() + offset)
 
 
-def empty(shape, dtype: torch.dtype, device: str):
-    """A function making a contiguous buffer of this shape (Inductor's `empty_strided_*` where
-    torch has it: a third of `torch.empty`'s host time)."""
-    shape, stride = tuple(shape), tuple(make_contiguous_strides_for(shape))
+def empty(shape, dtype: torch.dtype, device: str, stride=None):
+    """A function making a buffer of this shape, contiguous unless `stride` is given (Inductor's
+    `empty_strided_*` where torch has it: a third of `torch.empty`'s host time)."""
+    shape = tuple(shape)
+    stride = tuple(stride) if stride else tuple(make_contiguous_strides_for(shape))
     fast = getattr(_GUARDS, f"_empty_strided_{device}", None)
     if fast is not None:
         return lambda: fast(shape, stride, dtype)

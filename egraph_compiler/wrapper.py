@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .graph import view_source
+from .orders import strides_for
 from .steps import empty, no_bias, onednn_linear, same_dtypes, torch_dtype
 
 
@@ -36,11 +37,13 @@ def straight_line(executable, loops_by_name: dict, nodes: dict, release) -> Wrap
     for step, kernel in enumerate(plan.kernels):
         for name, node in allocations[step]:
             local[id(node)] = name
-            dense.add(id(node))
+            if not _ordered(kernel, node):  # (a buffer stored in another order: orders.py)
+                dense.add(id(node))
             if name in reuse:
                 lines.append(f"    {name} = {reuse[name]}; del {reuse[name]}  # (its buffer, free now)")
             else:
-                names[f"_empty_{name}"] = empty(node.shape, torch_dtype(node.dtype), target.device)
+                names[f"_empty_{name}"] = empty(node.shape, torch_dtype(node.dtype), target.device,
+                                                _stride(kernel, node))
                 lines.append(f"    {name} = _empty_{name}()")
         if kernel.kind == "generated" and kernel.loop_nest:
             pass  # computed by its sibling's loop nest
@@ -79,6 +82,14 @@ def straight_line(executable, loops_by_name: dict, nodes: dict, release) -> Wrap
     live = [(key, name) for key, name in local.items() if key not in released]
     lines.append("    return {" + ", ".join(f"{key}: {name}" for key, name in live) + "}")
     return Wrapper("\n".join(lines), names)
+
+
+def _ordered(kernel, node) -> bool:
+    return bool(kernel.order) and node is kernel.output
+
+
+def _stride(kernel, node) -> tuple | None:
+    return strides_for(node.shape, kernel.order) if _ordered(kernel, node) else None
 
 
 def into_buffer(kernel, target) -> bool:
@@ -147,18 +158,20 @@ def reused_buffers(plan, allocations: list, release) -> dict[str, str]:
     threshold, fault in again on each call."""
     torch_reads = {id(view_source(i)) for k in plan.kernels if k.kind != "generated"
                    and (k.kind, k.output.group) != ("library", "library") for i in k.inputs}
-    ours: dict[int, str] = {}  # a value in a buffer the wrapper allocated -> the buffer's name
-    free: dict[tuple, list[str]] = {}  # (shape, dtype) -> released buffers
+    ours: dict[int, tuple] = {}  # a value in a buffer the wrapper allocated -> (the buffer's name, its layout)
+    free: dict[tuple, list[str]] = {}  # (shape, dtype, strides) -> released buffers
     reuse: dict[str, str] = {}
     for step, kernel in enumerate(plan.kernels):
         for name, node in allocations[step]:
-            ours[id(node)] = name
-            pool = free.get((node.shape, torch_dtype(node.dtype)))
+            layout = (node.shape, torch_dtype(node.dtype), _stride(kernel, node))
+            ours[id(node)] = (name, layout)
+            pool = free.get(layout)
             if pool:
                 reuse[name] = pool.pop()
         for n in release[step]:
             if id(n) in ours and id(n) not in torch_reads:
-                free.setdefault((n.shape, torch_dtype(n.dtype)), []).append(ours[id(n)])
+                name, layout = ours[id(n)]
+                free.setdefault(layout, []).append(name)
     return reuse
 
 

@@ -508,3 +508,17 @@ def test_attention_picks_torchs_kernel_once_and_matches_it_bitwise(dtype, head):
                     want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
                     assert torch.equal(library.on_cuda(call, q, k, v), want), (kind, causal)
                 assert len(chosen) >= 2  # (a pick per layout; a layout the kernel refuses adds its copies' pick)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cuda_graphs", [False, True])
+def test_rotary_outputs_stored_in_their_inputs_order_on_the_gpu(dtype, cuda_graphs):
+    """orders.py: q and k rotated into buffers of [B, S, H, D] order, read by torch's fused attention."""
+    from test_orders import STORED, operands, rotary_attention
+    for shape in [(2, 16, 4, 2, 8), (1, 8, 2, 2, 64)]:
+        args = [a.to("cuda", dtype) for a in operands(*shape)]
+        compiled = egc.compile(rotary_attention, args, cuda_graphs=cuda_graphs)
+        want = rotary_attention(*[a.float() for a in args])
+        for _ in range(2):
+            torch.testing.assert_close(compiled(*args).float(), want, rtol=2e-2, atol=2e-2)
+        assert str(compiled.plan).count(STORED) == 2
