@@ -23,7 +23,7 @@ PARALLEL_MIN = 1 << 15  # below this many elements, threads cost more than they 
 
 SCALAR_OPS = {
     "exp": "egc_exp({0})", "log": "logf({0})", "tanh": "tanhf({0})", "erf": "erff({0})",
-    "cos": "cosf({0})", "sin": "sinf({0})", "floor": "floorf({0})", "log1p": "log1pf({0})", "expm1": "expm1f({0})",
+    "cos": "egc_cosf({0})", "sin": "egc_sinf({0})", "floor": "floorf({0})", "log1p": "log1pf({0})", "expm1": "expm1f({0})",
     "relu": "egc_relu({0})", "sigmoid": "(1.0f / (1.0f + egc_exp(-({0}))))", "neg": "(-({0}))",
     "abs": "std::fabs({0})", "sqrt": "sqrtf({0})", "rsqrt": "(1.0f / sqrtf({0}))",
     "silu": "(({0}) / (1.0f + egc_exp(-({0}))))",

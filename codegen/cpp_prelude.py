@@ -13,12 +13,20 @@ __attribute__((simd("notinbranch"))) float tanhf(float);
 __attribute__((simd("notinbranch"))) float erff(float);
 __attribute__((simd("notinbranch"))) float cosf(float);
 __attribute__((simd("notinbranch"))) float sinf(float);
+// cos and sin under names g++ does not know: of one argument (a rotary embedding's angle) it
+// merges cosf and sinf into one scalar sincosf, which has no SIMD variant (9.3 ns an element
+// against 0.5 for either alone); the assembler names keep libmvec's variants (_ZGVdN8v_cosf)
+__attribute__((const, simd("notinbranch"))) float egc_cosf(float) __asm__("cosf");
+__attribute__((const, simd("notinbranch"))) float egc_sinf(float) __asm__("sinf");
 __attribute__((simd("notinbranch"))) float powf(float, float);
 #if __GLIBC__ > 2 || (__GLIBC__ == 2 && __GLIBC_MINOR__ >= 35)  // (added to libmvec in glibc 2.35; scalar
 __attribute__((simd("notinbranch"))) float log1pf(float);       // calls before: log1p 19x and expm1 5x
 __attribute__((simd("notinbranch"))) float expm1f(float);       // slower than torch's)
 #endif
 }
+#else
+static inline float egc_cosf(float x) { return cosf(x); }
+static inline float egc_sinf(float x) { return sinf(x); }
 #endif
 #include <cstring>
 #include <type_traits>
