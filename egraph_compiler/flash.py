@@ -19,8 +19,6 @@ fake implementation states, so a saved output is never copied to another layout.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
 aten = torch.ops.aten
@@ -85,38 +83,6 @@ def _repeat(k: torch.Tensor, groups: int) -> torch.Tensor:
     return k if groups == 1 else k.repeat_interleave(groups, dim=1)
 
 
-@functools.cache
-def cpu_groups() -> bool:
-    """Whether this torch's CPU flash kernels, forward and backward, take grouped-query k and v
-    as they are (fewer heads, each serving as many consecutive heads of q; torch 2.13's do, the
-    backward giving k's and v's gradients summed over their heads): asked once, with and without
-    a mask, against the kernels over k and v repeated.  Then a training step repeats neither
-    (LLaMA at `--size cpu`, 2 cores: 12 repeats a step, 0.7 ms)."""
-    gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, h, 5, 8, generator=gen) for h in (4, 2, 2))
-    dout, mask = torch.randn(1, 4, 5, 8, generator=gen), torch.randn(1, 4, 5, 5, generator=gen)
-    try:
-        for m in (None, mask):
-            out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, m is None, attn_mask=m)
-            want, want_lse = aten._scaled_dot_product_flash_attention_for_cpu(q, *(_repeat(t, 2) for t in (k, v)),
-                                                                              0.0, m is None, attn_mask=m)
-            grads = aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, m is None,
-                                                                              attn_mask=m)
-            wants = aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                dout, q, _repeat(k, 2), _repeat(v, 2), want, want_lse, 0.0, m is None, attn_mask=m)
-            wants = (wants[0], *(g.unflatten(1, (2, 2)).sum(2) for g in wants[1:3]))
-            if not all(a.shape == b.shape and torch.allclose(a, b, atol=1e-5, rtol=1e-5)
-                       for a, b in zip((out, *grads[:3]), (want, *wants))):
-                return False
-    except RuntimeError:
-        return False
-    return True
-
-
-def _grouped(backend: str) -> bool:
-    return backend == "cpu" and cpu_groups()
-
-
 def _dummy(shape, dtype, device) -> torch.Tensor:
     """The random-state tensors the kernels' backward takes (read only with dropout)."""
     return torch.zeros(shape, dtype=dtype, device=device)
@@ -144,10 +110,10 @@ def forward(q, k, v, scale: float, causal: bool, mask=None, dead=None) -> tuple[
     """(softmax(q k^T * scale + mask [causal]) v, logsumexp of each row's scaled scores as float32);
     `mask`, `dead`: `prepare`'s.  A row with every key masked gives 0 (as training's written-out
     form, `_safe_softmax`) and a logsumexp of +inf (its backward then weighs every key by 0)."""
-    backend = _backend(q, mask is not None)
-    groups = 1 if _grouped(backend) else q.shape[1] // k.shape[1]
+    groups = q.shape[1] // k.shape[1]
     q, k, v = (_dense_rows(x) for x in (q, k, v))
     k, v = _repeat(k, groups), _repeat(v, groups)
+    backend = _backend(q, mask is not None)
     if backend == "cpu":
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask,
                                                                     scale=scale)
@@ -166,10 +132,10 @@ def forward(q, k, v, scale: float, causal: bool, mask=None, dead=None) -> tuple[
 
 def backward(dout, q, k, v, out, lse, scale: float, causal: bool, mask=None) -> tuple[torch.Tensor, ...]:
     """Gradients of q, k and v (k's and v's summed over the query heads each serves)."""
-    backend, dev = _backend(q, mask is not None), q.device
-    groups = 1 if _grouped(backend) else q.shape[1] // k.shape[1]  # (1: the kernels take k and v as they are)
+    groups = q.shape[1] // k.shape[1]
     q, k, v = (_dense_rows(x) for x in (q, k, v))
     kr, vr = _repeat(k, groups), _repeat(v, groups)
+    backend, dev = _backend(q, mask is not None), q.device
     dout = _canonical(dout)  # (the output's own layout: cuDNN reads the two alike)
     if backend == "cpu":
         grads = aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, kr, vr, out, lse, 0.0, causal,

@@ -39,15 +39,11 @@ def _mask(kind: str, b: int, s: int):
     return None
 
 
-@pytest.mark.parametrize("backend", ["cpu", "cpu, heads repeated", "math"])
+@pytest.mark.parametrize("backend", ["cpu", "math"])
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2), (2, 1)])
 @pytest.mark.parametrize("kind", ["none", "causal", "causal bool", "padding float", "a dead row", "2-d random"])
 def test_forward_and_backward_match_attention_written_out(backend, heads, kind, monkeypatch):
-    """"cpu": torch's CPU kernels, given grouped k and v as they are where they take them
-    (flash.cpu_groups); "cpu, heads repeated": as a torch whose kernels do not."""
-    if backend == "cpu, heads repeated":
-        monkeypatch.setattr(flash, "cpu_groups", lambda: False)
-    monkeypatch.setattr(flash, "_backend", lambda q, masked: backend.split(",")[0])
+    monkeypatch.setattr(flash, "_backend", lambda q, masked: backend)
     g = torch.Generator().manual_seed(0)
     b, s, d = 2, 13, 8  # (13: no size a kernel's block divides)
     q = torch.randn(b, heads[0], s, d, generator=g)
@@ -177,17 +173,3 @@ def test_a_learned_attention_bias_gets_its_gradient():
     assert grads[1].abs().max() > 0
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-5)
     assert not any(op.startswith("sdpa_grad") for p in egc.last_plans() for op in p.ops())
-
-
-def test_cpu_kernels_take_grouped_heads_where_this_torch_does(monkeypatch):
-    """The probe's answer is what the kernels do: with it, no k or v is repeated on a CPU."""
-    repeated = []
-    real = torch.Tensor.repeat_interleave
-    monkeypatch.setattr(torch.Tensor, "repeat_interleave", lambda t, *a, **k: repeated.append(1) or real(t, *a, **k))
-    flash.cpu_groups.cache_clear()
-    grouped = flash.cpu_groups()
-    repeated.clear()
-    q, k = torch.randn(1, 4, 6, 8), torch.randn(1, 2, 6, 8)
-    out, lse = flash.forward(q, k, k, 0.5, True)
-    flash.backward(torch.randn_like(q), q, k, k, out, lse, 0.5, True)
-    assert bool(repeated) != grouped
