@@ -569,6 +569,8 @@ def _library(c: _Ctx, x: Val):
     if op == "sdpa" and (x.rank == 4 or (x.rank == 3 and k % 2 == 0 and k >= 2)):
         if x.rank == 3:
             x = c.emit(f"{n}.unflatten(-1, (2, {k // 2})).transpose(1, 2)", x)
+            if c.d.flag():  # (an elementwise kernel of the heads' view, as a rotary q: orders.py stores it permuted)
+                x = c.emit(f"torch.tanh({x.name}) * 2", x)
         q = x
         kk = c.partner(lambda v: v.rank == 4 and v.dtype == q.dtype and v.shape[:2] == q.shape[:2]
                        and v.shape[-1] == q.shape[-1] and v.shape[-2] > 0
