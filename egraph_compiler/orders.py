@@ -7,7 +7,8 @@ projection's `transpose(1, 2).reshape(B, S, H * D)` is a copy per layer.  Stored
 input's order (Inductor's pointwise outputs take their input's stride order too), the same
 view is free, and the kernel writes in the order it reads.
 
-Only where nothing assumes the buffer row-major: the kernel is elementwise and stores one
+Only where nothing assumes the buffer row-major: the kernel is elementwise (a cat too: a
+partial rotary's rotated and passed-through halves) and stores one
 value, is not a program output, and every reader is an attention library call taking it as
 q, k or v directly (torch's kernels take any strides with a unit last one).  The last dim
 stays innermost.  Decided after extraction, per kernel; lowering loops in the stored order
@@ -18,7 +19,7 @@ from __future__ import annotations
 import math
 
 from .graph import Node
-from .loopir import loads, stride
+from .loopir import loads, local_stride
 from .lower import probe
 
 ATTENTION = frozenset({"sdpa", "sdpa_mask"})  # (ops.py: torch's attention, any strides with a unit last one)
@@ -36,7 +37,7 @@ def storage_orders(plan) -> None:
     for kernel in plan.kernels:
         root = kernel.output
         if (kernel.kind != "generated" or kernel.extra_outputs or kernel.loop_nest or id(root) in outputs
-                or root.group != "pointwise" or len(root.shape) < 3):
+                or root.group not in ("pointwise", "concat") or len(root.shape) < 3):
             continue
         taken = readers.get(id(root), [])
         if taken and all(node.op in ATTENTION and node.group == "library" and position in (0, 1, 2)
@@ -45,8 +46,9 @@ def storage_orders(plan) -> None:
 
 
 def read_order(kernel) -> tuple[int, ...] | None:
-    """The order of dims (outermost first) in which the kernel's full-size input lies in memory
-    densely, where it is not row-major and keeps the last dim last; None otherwise."""
+    """The order of dims (outermost first) of the kernel's first input read along every dim (its
+    strides, largest first: a slice of a wider buffer too), where that is not row-major and
+    keeps the last dim last; None otherwise."""
     root = kernel.output
     shape = tuple(root.shape)
     if math.prod(shape) <= 1 or any(n.group == "reduction" for n in kernel.ops):
@@ -55,19 +57,13 @@ def read_order(kernel) -> tuple[int, ...] | None:
     if expression is None:
         return None
     for load in loads(expression):
-        strides = [stride(load.index, f"d{d}") for d in range(len(shape))]
-        if any(s == 0 for d, s in enumerate(strides) if shape[d] > 1):
-            continue
+        strides = [local_stride(load.index, f"d{d}") for d in range(len(shape))]  # (a cat reads modulo its pieces)
+        moving = [strides[d] for d in range(len(shape)) if shape[d] > 1]
+        if 0 in moving or len(set(moving)) < len(moving) or strides[-1] not in (1, 0):
+            continue  # (a broadcast read, or one whose order is ambiguous)
         # unit dims first, in place order; then by stride, largest first
         order = tuple(sorted(range(len(shape)), key=lambda d: (shape[d] > 1, -strides[d], d)))
-        if order[-1] != len(shape) - 1 or order == tuple(range(len(shape))):
-            continue
-        step = 1
-        for d in reversed(order):
-            if shape[d] > 1 and strides[d] != step:
-                break
-            step *= shape[d]
-        else:
+        if order[-1] == len(shape) - 1 and order != tuple(range(len(shape))):
             return _canonical(order, shape)
     return None
 

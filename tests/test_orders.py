@@ -53,6 +53,31 @@ def test_rotary_outputs_stored_in_their_inputs_order_match_eager(target, shape):
                                   1 if s > 1 and heads > 1 else 0), plan
 
 
+def partial_rotary_attention(x, wqkv, cos, sin):
+    """GPT-NeoX's and Phi's form: q, k, v sliced from one projection, half of each head rotated."""
+    b, s, e = x.shape
+    r = cos.shape[-1]
+    qkv = F.linear(x, wqkv).view(b, s, 4, 3, e // 4)  # ([batch, seq, heads, q|k|v, head size])
+    q, k, v = (qkv[:, :, :, i].transpose(1, 2) for i in range(3))
+    q = torch.cat([q[..., :r] * cos + rotate_half(q[..., :r]) * sin, q[..., r:]], -1)
+    k = torch.cat([k[..., :r] * cos + rotate_half(k[..., :r]) * sin, k[..., r:]], -1)
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return o.transpose(1, 2).reshape(b, s, e)
+
+
+@pytest.mark.parametrize("target", ["cpu", "triton"])
+def test_a_partial_rotation_is_stored_in_its_inputs_order_too(target):
+    """The rotated half and the passed-through half are one cat: stored as [B, S, H, D] too."""
+    torch.manual_seed(0)
+    b, s, heads, d = 2, 8, 4, 16
+    angles = torch.arange(s)[:, None] * torch.rand(d // 4)[None, :]
+    angles = torch.cat([angles, angles], -1)
+    args = [torch.randn(b, s, heads * d), torch.randn(3 * heads * d, heads * d) / 8, angles.cos(), angles.sin()]
+    compiled = egc.compile(partial_rotary_attention, args, target=target)
+    torch.testing.assert_close(compiled(*args), partial_rotary_attention(*args), rtol=1e-4, atol=1e-5)
+    assert str(compiled.plan).count(STORED) == 2, compiled.plan
+
+
 def test_the_output_projection_reads_attentions_output_without_a_copy():
     args = operands(2, 16, 4, 2, 8)
     compiled = egc.compile(rotary_attention, args, target="cpu")
