@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from . import ops
 from .cost import ELEMENTWISE, DeviceProfile, extra_passes, itemsize, kernel_cost, op_flops, repeats
 from .errors import CodegenError
-from .graph import Graph, Node, rebuild, topo_order, type_str, view_chain, view_source
+from .graph import Graph, Node, inline_edges, rebuild, topo_order, type_str, view_chain, view_source
 from .expression_size import oversized_edges
 from .lower import illegal_edges
 
@@ -105,10 +105,40 @@ def make_plan(graph: Graph, profile: DeviceProfile, target, alias_inputs: bool =
         # first the size of what the renderers would write (the legality probe walks that too)
         cut = set().union(*(oversized_edges(k.output) for k in plan.kernels if k.kind == "generated"))
         cut = cut or set().union(*(illegal_edges(k.output) for k in plan.kernels if k.kind == "generated"))
+        cut = cut or _recomputed_under_a_max(plan)
         if not cut:
             from .sharing import share_results, share_row_values  # they build on this module's kernels
             return share_results(share_row_values(plan, profile, rules), profile)
         graph = rebuild(graph, lambda node, args: args[0] if id(node) in cut else None)  # cut edges materialise
+
+
+def _recomputed_under_a_max(plan: Plan) -> set[int]:
+    """The inline edges below an `amax` to values the plan stores or compares (a gradient picks
+    the elements equal to the max, `x == amax(x)`): the max then reads the one stored copy that
+    the comparison reads too.  Recomputed inside the max's kernel, a transcendental may round
+    otherwise (libmvec's vector tanhf against glibc's scalar one in a short loop: no element
+    equal, 0 / 0 gradients; training fuzz)."""
+    stored = {id(k.output) for k in plan.kernels}
+    compared = {id(_computed(a)) for n in topo_order(plan.graph.outputs) if n.op in ops.COMPARISONS
+                for a in n.args}
+    cut: set[int] = set()
+    for kernel in plan.kernels:
+        stack = [n for n in kernel.ops if n.op == "amax"] if kernel.kind == "generated" else []
+        seen: set[int] = set()
+        while stack:
+            for edge, target in inline_edges(stack.pop()):
+                if id(target) in stored or id(target) in compared:
+                    cut.add(id(edge))
+                elif id(target) not in seen:
+                    seen.add(id(target))
+                    stack.append(target)
+    return cut
+
+
+def _computed(a: Node) -> Node:
+    """The value an operand reads: through its views and its fused edge."""
+    a = view_source(a)
+    return a.args[0] if a.op == "inline" else a
 
 
 def _viewed_producers(graph: Graph, profile: DeviceProfile) -> Graph:

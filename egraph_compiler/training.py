@@ -23,6 +23,7 @@ from torch._decomp import get_decompositions
 from torch._dynamo.backends.common import aot_autograd
 from torch._guards import TracingContext
 from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.utils.checkpoint import CheckpointPolicy
 
 from . import flash
 from .errors import EagerFallbackWarning
@@ -114,12 +115,27 @@ def training_backend(gm: torch.fx.GraphModule, example_inputs, compile_graph):
         return compiler(graph, inputs, lend_outputs=0)
 
     backend = aot_autograd(fw_compiler=forward_compiler, bw_compiler=backward_compiler, decompositions=table,
-                           partition_fn=min_cut_rematerialization_partition, keep_inference_input_mutations=True)
+                           partition_fn=_partition, keep_inference_input_mutations=True)
     try:
         return backend(gm, example_inputs)
     except _Misaligned as e:
         warnings.warn(f"{e}: this graph runs eagerly ({_first_line(gm)})", EagerFallbackWarning, stacklevel=2)
         return gm.forward
+
+
+SELECTIONS = (aten.amax.default, aten.amin.default, aten.max.dim, aten.min.dim, aten.max.default, aten.min.default)
+
+
+def _partition(joint: torch.fx.GraphModule, joint_inputs, **kwargs):
+    """The min-cut partitioner, with what a max or min selects from saved, never recomputed: its
+    gradient picks the elements equal to the max (`x == amax(x)`), and a transcendental x
+    recomputed by backward in another loop may round otherwise than the forward's (libmvec's
+    vector cosf against glibc's scalar one: no element equal, a gradient of 0 or 0 / 0)."""
+    for node in joint.graph.nodes:
+        if node.op == "call_function" and node.target in SELECTIONS and isinstance(node.args[0], torch.fx.Node) \
+                and node.args[0].op == "call_function":
+            node.args[0].meta["recompute"] = CheckpointPolicy.MUST_SAVE
+    return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
 
 class _Misaligned(Exception):

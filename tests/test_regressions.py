@@ -1193,3 +1193,33 @@ def test_a_layer_norms_mean_beside_another_mean_in_double_lanes(target):
     x, m, b = torch.randn(24, 12), torch.randn(12, 12), torch.randn(12)
     torch.testing.assert_close(egc.compile(fn, [x, m, b], target=target)(x, m, b), fn(x, m, b),
                                atol=1e-5, rtol=1e-5)
+
+
+# ---- a max over values the plan also stores reads them (training fuzz, CI of the 35th session) ----
+
+MAXES_OF_TRANSCENDENTALS = {
+    "tanh_amax_columns": lambda x: torch.tanh(x).amax(-2),  # (the forward stored tanh, the max recomputed it)
+    "cos_tanh_amax_rows": lambda x: torch.cos(torch.tanh(x)).amax(-1),  # (backward recomputed cos from tanh)
+    "exp_max_values": lambda x: torch.exp(x * 0.5).max(-1).values,
+}
+
+
+@pytest.mark.parametrize("name", sorted(MAXES_OF_TRANSCENDENTALS))
+@pytest.mark.parametrize("shape", [(1, 2, 6), (4, 2, 5), (3, 2, 9), (2, 1, 5), (2, 8, 8)])
+def test_the_gradient_of_a_max_of_a_transcendental_picks_its_elements(name, shape):
+    """`tanh(x).amax(-2)`'s gradient is `(tanh(x) == amax) / count`, from the saved tanh. The max
+    recomputed tanh in its own short loop (glibc's scalar tanhf) where the saved tanh came from a
+    vector loop (libmvec's): no element equal in some columns, a count of 0 and NaN gradients.
+    With cos over tanh, backward recomputed cos from the saved tanh: gradients of 0 (plan.py's
+    `_recomputed_under_a_max`, training.py's `_partition`)."""
+    g = torch.Generator().manual_seed(0)
+    x0 = torch.rand(shape, generator=g) * 4 - 2
+    fn = MAXES_OF_TRANSCENDENTALS[name]
+    w = torch.rand(fn(x0).shape, generator=g) * 2 - 1
+    grads = []
+    for f in (fn, torch.compile(fn, backend="egraph")):
+        x = x0.clone().requires_grad_()
+        (f(x) * w).sum().backward()
+        grads.append(x.grad)
+    torch._dynamo.reset()
+    torch.testing.assert_close(grads[1], grads[0], atol=1e-6, rtol=1e-5)
