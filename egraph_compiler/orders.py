@@ -51,9 +51,7 @@ def read_order(kernel) -> tuple[int, ...] | None:
     keeps the last dim last; None otherwise."""
     root = kernel.output
     shape = tuple(root.shape)
-    if math.prod(shape) <= 1 or any(n.group == "reduction" for n in kernel.ops):
-        return None
-    expression = probe(kernel)
+    expression = probe(kernel) if math.prod(shape) > 1 else None  # (None too where it reduces)
     if expression is None:
         return None
     for load in loads(expression):
