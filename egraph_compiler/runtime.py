@@ -188,7 +188,7 @@ class Executable:
         """An `into` step (wrapper.into_buffer) as a function of the kernel's inputs, then the
         buffer it writes."""
         ids = [id(i) for i in kernel.inputs]
-        into = self.steps.linear_into(kernel.output)
+        into = (self.steps.linear_into if kernel.output.op == "linear" else self.steps.matmul_into)(kernel.output)
 
         def run(*tensors):
             return into(dict(zip(ids, tensors[:-1])), tensors[-1])
@@ -315,9 +315,9 @@ class Executable:
         value = env.get(key)
         if value is None:
             value = read(env)
-        if lend:
-            return value.detach()  # (a strided view of the graph's buffer too: backward reads it in place)
         kind, _ = self._kinds[i]
+        if lend:  # (a strided view of the graph's buffer too: backward reads it in place; one of ours as
+            return value if kind == "computed" else value.detach()  # it is, a caller's tensor as a new one)
         if kind == "const":
             return value.clone()
         if kind == "alias":

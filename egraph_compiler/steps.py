@@ -19,7 +19,8 @@ import threading
 import torch
 from torch._prims_common import make_contiguous_strides_for
 
-from . import cpu_linear, flash, library, masks, ops
+from . import cpu_linear, ops
+from .attention_steps import ATTENTION, AttentionSteps
 from .errors import CodegenError
 from .cost import ONEDNN_LINEARS
 from .graph import WEAK, Node, view_source
@@ -50,7 +51,7 @@ def torch_dtype(dtype: str) -> torch.dtype:
     return torch.float32 if dtype == WEAK else getattr(torch, dtype)
 
 
-class TorchSteps:
+class TorchSteps(AttentionSteps):
     """The callables, per node, that read a value out of a run's environment (id(node) -> tensor)."""
 
     def __init__(self, device: str, dense: frozenset = frozenset(), computed: frozenset = frozenset()):
@@ -114,6 +115,7 @@ class TorchSteps:
         reference, attrs = ops.get(node.op).reference, node.a
 
         fixed = []  # (key, view) once a view of a dense tensor has been seen to be one
+        copied = ("copied view", id(node))
 
         def view(env):
             if fixed:
@@ -132,6 +134,12 @@ class TorchSteps:
             taken = seen.get(layout)
             if taken:
                 return reinterpret(source, *taken)
+            if taken is False:  # a copy (k and v repeated per head, read by attention's two calls and
+                memo = self.memo  # saved for backward): made once per run
+                value = memo.get(copied)
+                if value is None:
+                    value = memo[copied] = reference([outer(env)], attrs)
+                return value
             value = reference([outer(env)], attrs)
             if taken is None:  # the first time with this layout: keep it if it is a view
                 viewed = value.untyped_storage().data_ptr() == source.untyped_storage().data_ptr()
@@ -158,7 +166,13 @@ class TorchSteps:
         dtype = torch_dtype(node.dtype) if node.dtype != WEAK else None
         shape = node.shape
 
+        known = self._fused_part(node)
+
         def call(env):
+            if known is not None:  # (attention's sibling result, its call already made this run)
+                out = known()
+                if out is not None:
+                    return out
             out = fn([read(env) for read in reads])
             if out.shape != shape:  # (generated kernels would read it as the plan's shape: out of bounds)
                 raise CodegenError(f"{node.op} gave a tensor of shape {list(out.shape)} where the plan has "
@@ -178,17 +192,9 @@ class TorchSteps:
             fused = self._onednn_epilogue(node)
             if fused is not None:
                 return fused
+        if node.op in ATTENTION:
+            return self._attention(node)
         reference, attrs = ops.get(node.op).reference, node.a
-        if node.op in ("sdpa_mask", "softmax_attention") and self.device == "cuda":
-            return self._masked_attention(node)
-        if node.op.removesuffix("_mask") in ("sdpa_fwd", "sdpa_lse", "sdpa_grad"):
-            return self._fused_attention(node)
-        if node.op in ("sdpa", "sdpa_mask", "softmax_attention"):  # (what a call decides, decided once)
-            attention = library.attention([a.shape for a in node.args], attrs, self.device == "cuda")
-            if node.op == "softmax_attention":  # sdpa, and NaN where the mask removes a whole row (once per run)
-                def attention(args, masked=attention):
-                    return library.nan_rows(self._masked_rows(node, args[3], args[1].shape[-2]), masked(args))
-            return attention if node.op == "sdpa" else self._causal_or(node, attention)
         return lambda args: reference(args, attrs)
 
     def _linear(self, node: Node):
@@ -240,6 +246,22 @@ class TorchSteps:
             return out
         return into
 
+    def matmul_into(self, node: Node):
+        """A 2-d `matmul` (an `into` step: wrapper.into_buffer) as one `mm` writing the wrapper's
+        buffer, its operands read through the environment (`matmul_direct` where the wrapper
+        holds them)."""
+        x, y, mm = self.getter(node.args[0]), self.getter(node.args[1]), torch.mm
+        return lambda env, out: mm(x(env), y(env), out=out)
+
+    @staticmethod
+    def matmul_direct():
+        """A 2-d `matmul` on operands the wrapper passes (wrapper.view_operand: a buffer it holds
+        or a view of one), writing its buffer `out`: a training backward's products, each a
+        fresh result through the environment before (7 us of host time a call more than a bare
+        `mm` at LLaMA's --size test, and a fresh result's pages faulting in inside the GEMM)."""
+        mm = torch.mm
+        return lambda x, y, out: mm(x, y, out=out)
+
     def linear_direct(self, node: Node, transposed: bool = False):
         """`linear_into` for operands the wrapper holds itself (wrapper.direct_operands): x a
         contiguous tensor of its node's shape, the weight and bias any tensors.  The call takes
@@ -276,91 +298,6 @@ class TorchSteps:
         else:
             call = linear
         return (lambda *operands: call(*operands).contiguous()) if contiguous else call
-
-    def _fused_attention(self, node: Node):
-        """Training's attention (flash.py): the output and its logsumexp are two nodes of one
-        forward call, dq, dk and dv three of one backward call; a run makes each call once
-        (the first node read computes it, its siblings take their part from the memo), and
-        converts each mask once for the layers that share it."""
-        scale, causal, grad = node.attr("scale"), node.attr("causal"), node.op.startswith("sdpa_grad")
-        key = (grad, scale, causal) + tuple(id(a) for a in node.args)
-        part = node.attr("which") if grad else int(node.op.startswith("sdpa_lse"))
-        operands = 6 if grad else 3
-        masked = len(node.args) > operands
-        mask_key = ("fused mask", id(node.args[-1]), node.args[1 if grad else 0].dtype)
-
-        def run(args):
-            got = self.memo.get(key)
-            if got is None:
-                mask = dead = None
-                past = causal  # (the program's own causal mask: the kernels' causal form, masks.py)
-                if masked:
-                    prepared = self.memo.get(mask_key)
-                    if prepared is None:
-                        q, keys = args[1 if grad else 0], args[2 if grad else 1].shape[2]
-                        prepared = self.memo[mask_key] = (None, None, True) if masks.causal(
-                            args[-1], q.shape[2], keys) else (*flash.prepare(args[-1], q, keys), False)
-                    mask, dead, past = prepared[0], prepared[1], causal or prepared[2]
-                if grad:
-                    got = flash.backward(*args[:6], scale, past, mask)
-                else:
-                    got = flash.forward(*args[:3], scale, past, mask, dead)
-                self.memo[key] = got
-            return got[part] if part == 1 and not grad else got[part].transpose(1, 2)  # ([B, S, H, D])
-        return run
-
-    def _causal(self, node: Node, mask) -> bool:
-        """Whether this run's mask of `node` is the program's own causal mask (masks.py), once per run."""
-        key = ("causal", id(node.args[3]))
-        known = self.memo.get(key)
-        if known is None:
-            known = self.memo[key] = masks.causal(mask, node.args[0].shape[-2], node.args[1].shape[-2])
-        return known
-
-    def _causal_or(self, node: Node, masked):
-        """sdpa over (q, k, v, mask): causal, unmasked, where the mask is the program's causal one."""
-        causal = library.attention([a.shape for a in node.args[:3]], {**node.a, "causal": True}, self.device == "cuda")
-        return lambda args: causal(args[:3]) if self._causal(node, args[3]) else masked(args)
-
-    def _masked_attention(self, node: Node):
-        """sdpa with a mask on CUDA: the mask converted once per run for the layers that share it
-        (library.fused_kernel_mask), grouped query heads on the query axis with a mask grouped
-        once as well (library.grouped_queries); what depends on shapes only, decided now."""
-        q_shape, k_shape, v_shape, m_shape = (a.shape for a in node.args)
-        keys, rows = k_shape[-2], q_shape[-2]
-        key = ("mask", id(node.args[3]), node.args[0].dtype, keys)  # each layer's sdpa reads one mask
-        m_dim = max(len(m_shape), 2)  # (as fused_kernel_mask leaves it)
-        groups = q_shape[-3] // k_shape[-3] if ops.gqa(q_shape, k_shape, v_shape) else 0
-        if not (groups and len(q_shape) == 4 and not node.attr("causal") and m_dim <= 4
-                and (m_dim < 4 or m_shape[0] in (1, q_shape[0]))):
-            groups = 0
-        group_key = key + (groups, rows)
-        prepared = library.attention([q_shape, k_shape, v_shape, m_shape], node.a, cuda=True)
-        scale, nan = node.attr("scale"), node.op == "softmax_attention"
-        causal = library.attention([q_shape, k_shape, v_shape], {**node.a, "causal": True}, cuda=True)
-
-        def run(args):
-            memo = self.memo
-            if self._causal(node, args[3]):
-                return causal(args[:3])
-            mask = memo.get(key)
-            if mask is None:
-                mask = memo[key] = library.fused_kernel_mask(args[3], keys, args[0].dtype)
-            if groups:  # grouped-query attention: the grouped mask, also once
-                grouped = memo.get(group_key)
-                if grouped is None:
-                    grouped = memo[group_key] = library.query_group_mask(mask, groups, rows)
-                out = library.grouped_queries(args[0], args[1], args[2], grouped, scale)
-            else:
-                out = prepared([args[0], args[1], args[2], mask])
-            return library.nan_rows(self._masked_rows(node, mask, keys), out) if nan else out
-        return run
-
-    def _masked_rows(self, node: Node, mask, keys: int):
-        key = ("masked rows", id(node.args[3]), keys)  # layers that share a mask share its rows
-        if key not in self.memo:
-            self.memo[key] = library.fully_masked_rows(mask, keys)
-        return self.memo[key]
 
 
 def same_dtypes(node: Node) -> bool:

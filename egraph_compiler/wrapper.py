@@ -5,9 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
+from . import ops
 from .graph import view_source
 from .orders import strides_for
-from .steps import empty, no_bias, onednn_linear, same_dtypes, torch_dtype
+from .steps import empty, no_bias, onednn_linear, reinterpret, same_dtypes, torch_dtype
 
 
 @dataclass
@@ -54,9 +57,16 @@ def straight_line(executable, loops_by_name: dict, nodes: dict, release) -> Wrap
             names[f"_{kernel.name}"] = executable._calls[kernel.name]
             lines.append(f"    _{kernel.name}({', '.join(params)})  # {kernel.output.op}")
         elif allocations[step]:  # a library call into the buffer just allocated
-            operands = direct_operands(kernel.output, local, dense)
+            if kernel.output.op == "matmul":
+                operands = [view_operand(a, f"_{kernel.name}_{i}", local, dense - executable._any_strides, names)
+                            for i, a in enumerate(kernel.output.args)]
+                operands = None if None in operands else operands
+            else:
+                operands = direct_operands(kernel.output, local, dense)
             if operands is None:
                 names[f"_{kernel.name}"] = executable.torch_step_into(kernel)
+            elif kernel.output.op == "matmul":
+                names[f"_{kernel.name}"] = executable.steps.matmul_direct()
             else:
                 names[f"_{kernel.name}"] = executable.steps.linear_direct(
                     kernel.output, weight_transposed(kernel.output, local))
@@ -93,15 +103,49 @@ def _stride(kernel, node) -> tuple | None:
 
 
 def into_buffer(kernel, target) -> bool:
-    """Whether a library call writes a buffer the wrapper allocates (steps.linear_into): a CPU
-    linear whose operands are of its own dtype (on CUDA the caching allocator already hands a
-    warm block, and `addmm` into a buffer of ours measured slower inside LLaMA, BENCHMARKS.md,
-    eighth session) that torch's GEMM runs, not oneDNN's (cpu_linear: it makes its own result)."""
+    """Whether a library call writes a buffer the wrapper allocates (steps.linear_into,
+    matmul_into): a CPU linear whose operands are of its own dtype (on CUDA the caching
+    allocator already hands a warm block, and `addmm` into a buffer of ours measured slower
+    inside LLaMA, BENCHMARKS.md, eighth session) that torch's GEMM runs, not oneDNN's
+    (cpu_linear: it makes its own result); a CPU product of two matrices of its dtype."""
     node = kernel.output
-    if not (target.device == "cpu" and kernel.kind == "library" and node.op == "linear"
+    if not (target.device == "cpu" and kernel.kind == "library" and node.op in ("linear", "matmul")
             and node.dtype in ("float32", "bfloat16")):
         return False
+    if node.op == "matmul":
+        return len(node.shape) == 2 and all(len(a.shape) == 2 and a.dtype == node.dtype for a in node.args)
     return same_dtypes(node) and not onednn_linear(node)  # (oneDNN's makes its own result)
+
+
+def view_operand(node, name: str, local: dict, dense, names: dict) -> str | None:
+    """The wrapper's expression for a library call's operand: a value it holds, or a view of
+    one (`name`, a function the wrapper's globals get, takes it): with fixed sizes and strides
+    where the value is held contiguous (`dense`) and each op of the chain is a view of it (as
+    torch decides on a meta tensor), else the chain's ops per call (a reshape of another
+    layout copies, as torch's would); None where the chain reaches nothing the wrapper holds."""
+    chain = []
+    while id(node) not in local:
+        if node.group != "layout":
+            return None
+        chain.append(node)
+        node = node.args[0]
+    if not chain:
+        return local[id(node)]
+    steps = [(ops.get(n.op).reference, n.a) for n in reversed(chain)]
+    value, viewed = torch.empty(node.shape, dtype=torch_dtype(node.dtype), device="meta"), True
+    for reference, attrs in steps:
+        value = reference([value], attrs)
+        viewed = viewed and value._is_view()
+    if id(node) in dense and viewed:
+        layout = (tuple(value.shape), value.stride(), value.storage_offset())
+        names[name] = lambda t: reinterpret(t, *layout)
+    else:
+        def view(t):
+            for reference, attrs in steps:
+                t = reference([t], attrs)
+            return t
+        names[name] = view
+    return f"{name}({local[id(node)]})"
 
 
 def direct_operands(node, local: dict, dense: set | None = None) -> list[str] | None:

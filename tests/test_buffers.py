@@ -104,3 +104,30 @@ def test_linears_take_the_operands_the_wrapper_holds(target, dtype):
     compiled = egc.compile(viewed, [x, w, b], target=target)
     assert ", direct" not in compiled.levels.wrapper, compiled.levels.wrapper
     torch.testing.assert_close(compiled(x, w, b), viewed(x, w, b), atol=tol, rtol=tol)
+
+
+def products(a, b, x3, w):
+    p = (a * 2) @ b  # a buffer of the wrapper's and an input, as they are
+    q = a.t() @ torch.relu(p)  # a transposed input: a view with fixed strides
+    r = x3.reshape(6, x3.shape[-1]) @ w  # an input only torch reads (any strides): its reshape per call
+    return p, q, r
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m, k, n", [(8, 8, 8), (1, 5, 3), (6, 0, 4), (0, 5, 3), (7, 3, 1)])
+def test_cpu_products_of_matrices_write_into_the_wrappers_buffers(dtype, m, k, n):
+    """A 2-d matmul (a training backward's products) is one `mm` into a buffer of the wrapper's,
+    on operands it passes directly or as views of values it holds; called again with an input
+    of other strides, the view made per call follows them."""
+    torch.manual_seed(2)
+    a, b, w = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype), torch.randn(k, n).to(dtype)
+    x3 = torch.randn(2, 3, k).to(dtype)
+    compiled = egc.compile(products, [a, b, x3, w])
+    wrapper = compiled.levels.wrapper
+    assert wrapper.count("library: matmul, into") == 3 and wrapper.count("matmul, into t") == 3, wrapper
+    assert wrapper.count("matmul, into") == wrapper.count("direct"), wrapper
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    strided = torch.randn(2, k, 3).to(dtype).transpose(1, 2)  # (not contiguous: the reshape copies)
+    for args in ([a, b, x3, w], [a, b, strided, w], [a * 3, b, x3 + 1, w]):
+        for got, want in zip(compiled(*args), products(*args)):
+            torch.testing.assert_close(got, want, atol=tol, rtol=tol)

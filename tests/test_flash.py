@@ -96,9 +96,9 @@ def test_the_cuda_kernel_choice_never_drops_a_mask():
 
 
 class _Attention(torch.nn.Module):
-    def __init__(self, heads=4, kv_heads=4, dim=32):
+    def __init__(self, heads=4, kv_heads=4, dim=32, repeat_kv=False):
         super().__init__()
-        self.heads, self.kv_heads, self.head = heads, kv_heads, dim // heads
+        self.heads, self.kv_heads, self.head, self.repeat_kv = heads, kv_heads, dim // heads, repeat_kv
         self.q = torch.nn.Linear(dim, dim)
         self.kv = torch.nn.Linear(dim, 2 * kv_heads * self.head)
         self.o = torch.nn.Linear(dim, dim)
@@ -107,8 +107,12 @@ class _Attention(torch.nn.Module):
         b, s, _ = x.shape
         q = self.q(x).view(b, s, self.heads, self.head).transpose(1, 2)
         k, v = (t.view(b, s, self.kv_heads, self.head).transpose(1, 2) for t in self.kv(x).chunk(2, -1))
+        group = self.heads // self.kv_heads
+        if self.repeat_kv:  # (transformers' `repeat_kv`: each kv head expanded to its group of query heads)
+            k, v = (t[:, :, None].expand(b, self.kv_heads, group, s, self.head).reshape(b, self.heads, s, self.head)
+                    for t in (k, v))
         a = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                                             enable_gqa=self.kv_heads != self.heads)
+                                                             enable_gqa=group != 1 and not self.repeat_kv)
         return self.o(a.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -117,11 +121,11 @@ GPU_TARGET = "cuda" if torch.cuda.is_available() else "triton"
 
 
 @pytest.mark.parametrize("target", ["cpu", GPU_TARGET])
-@pytest.mark.parametrize("case", ["causal", "bool mask, grouped heads"])
+@pytest.mark.parametrize("case", ["causal", "bool mask, grouped heads", "bool mask, grouped heads written out"])
 def test_training_runs_one_forward_and_one_backward_call_per_layer(target, case, monkeypatch):
     torch.manual_seed(0)
     device = "cuda" if target == "cuda" else "cpu"
-    model = _Attention(kv_heads=4 if case == "causal" else 2).to(device)
+    model = _Attention(kv_heads=4 if case == "causal" else 2, repeat_kv="written" in case).to(device)
     x = torch.randn(2, 12, 32, device=device)
     mask = None if case == "causal" else _mask("a dead row", 2, 12).to(device)
     calls = {"forward": 0, "backward": 0}
@@ -148,10 +152,20 @@ def test_training_runs_one_forward_and_one_backward_call_per_layer(target, case,
     assert not forward.fallbacks and not backward.fallbacks
     # the probabilities [B, H, S, S] are never saved: what backward reads is q, k, v, out and lse
     assert not [n for n in forward.graph.outputs if n.shape[-2:] == (12, 12) and n.op != "input"]
-    # a training step: each of the two calls ran once (the nodes of one call share it)
+    # a training step: each of the two calls ran once (the nodes of one call share it), and k and
+    # v repeated per head (copies) were made once each per call (flash.py repeats grouped heads
+    # for torch's kernels); written out, once each in all: not again for the call's sibling
+    # results nor for the activations saved for backward (six copies a layer before)
     calls.update(forward=0, backward=0)
+    repeats = []
+
+    def repeat_interleave(self, *a, _f=torch.Tensor.repeat_interleave, **k):
+        repeats.append(self.shape)
+        return _f(self, *a, **k)
+    monkeypatch.setattr(torch.Tensor, "repeat_interleave", repeat_interleave)
     compiled(x, mask, case == "causal").sum().backward()
     assert calls == {"forward": 1, "backward": 1}, calls
+    assert len(repeats) == {"causal": 0, "bool mask, grouped heads": 4}.get(case, 2), repeats
 
 
 def test_a_learned_attention_bias_gets_its_gradient():
