@@ -37,8 +37,8 @@ def kernel_times(executable, args, reps: int = 5, inner: int = 5) -> dict[str, f
             times.setdefault(step, []).append((time.perf_counter() - start) / calls)
             return out
         return run
-    names = {n: timed(n[1:], f) if n.startswith("_") and not n.startswith("_empty_") else f
-             for n, f in executable.wrapper.names.items()}
+    steps = {k.name for k in executable.plan.kernels}  # (not the wrapper's buffers or operands' views)
+    names = {n: timed(n[1:], f) if n[1:] in steps else f for n, f in executable.wrapper.names.items()}
     run = executable._runner(names)
     for _ in range(reps + 1):  # the first run warms caches and is dropped
         run(executable._bind(args))
