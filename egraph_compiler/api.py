@@ -241,7 +241,8 @@ def dynamo_backend(gm, example_inputs, **kwargs):
     if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs):
         from .training import training_backend  # AOTAutograd: forward and backward graphs, each compiled
         return training_backend(gm, example_inputs,
-                                lambda graph, **extra: _PerSize(graph, kwargs | {"alias_inputs": True} | extra))
+                                lambda graph, guarded=False, **extra: _PerSize(graph, kwargs | {"alias_inputs": True}
+                                                                               | extra, guarded=guarded))
     per_size = _PerSize(with_ambient_autocast(gm), kwargs, guarded=True)
     if all(isinstance(x, torch.Tensor) and all(isinstance(d, int) for d in x.shape) for x in example_inputs):
         per_size.compile(list(example_inputs))  # a static graph: compiled now, as Dynamo expects
@@ -286,7 +287,8 @@ class _PerSize:
 
     def __init__(self, gm, kwargs, guarded: bool = False):
         self.gm, self.kwargs, self.programs, self.compiled = gm, kwargs, {}, None
-        self.guarded = guarded  # a graph Dynamo hands over (its guards hold its inputs), not one of AOTAutograd's
+        self.guarded = guarded  # a graph Dynamo hands over, or AOTAutograd's forward of one (its inputs are
+        # Dynamo's graph's, held by its guards), not a backward (saved activations, incoming gradients)
         self.scalars = scalar_slots(gm)
         self.symbolic: dict = {}  # the values bound as constants -> the graph exported for every size
         self.limit = self.GRAPHED_LIMIT if kwargs.get("cuda_graphs") else self.LIMIT

@@ -108,7 +108,8 @@ def training_backend(gm: torch.fx.GraphModule, example_inputs, compile_graph):
         metadata = context.fw_metadata if context is not None else None
         if metadata is not None:
             _check_user_outputs(gm, graph, metadata)
-        return compiler(graph, inputs, lend_outputs=metadata.num_forward if metadata is not None else None)
+        return compiler(graph, inputs, lend_outputs=metadata.num_forward if metadata is not None else None,
+                        guarded=True)  # (its inputs are Dynamo's graph's, held by its guards: api._PerSize)
 
     def backward_compiler(graph: torch.fx.GraphModule, inputs):
         """Gradients are lent too: autograd accumulates them, and `zero_grad()` lets them go."""

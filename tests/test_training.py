@@ -418,3 +418,33 @@ def test_training_graphs_are_read_as_they_are_not_exported_again(monkeypatch):
     net = _convnet().train()
     _compile(net)(torch.randn(4, 3, 16, 12)).sum().backward()
     assert len(exported) == 1  # the forward, which writes the running statistics
+
+
+class _Scaled(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.rand(8) + 0.5)
+        self.l1, self.l2 = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
+
+    def forward(self, x):  # (sin(x) * scale: a generated kernel reading x as laid out)
+        return self.l2(torch.relu(self.l1(torch.sin(x) * self.scale)))
+
+
+def test_a_training_forward_follows_its_inputs_strides():
+    """A training forward takes its arguments without checking them after its first call (its
+    inputs are Dynamo's graph's, whose guards hold their sizes and strides): an input of other
+    strides recompiles, and is never read through the first call's."""
+    torch.manual_seed(0)
+    model = _Scaled()
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="egraph")
+    for x in (torch.randn(5, 8), torch.randn(8, 5).t(), torch.randn(5, 8), torch.randn(8, 5).t(),
+              torch.randn(5, 16)[:, ::2]):
+        got, want = (x.clone().requires_grad_(True) for _ in range(2))
+        for m in (model, reference):
+            m.zero_grad(set_to_none=True)
+        (compiled(got) * torch.arange(4.0)).sum().backward()
+        (reference(want) * torch.arange(4.0)).sum().backward()
+        torch.testing.assert_close(got.grad, want.grad)
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, msg=lambda m: f"{name}: {m}")
