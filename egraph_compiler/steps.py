@@ -169,11 +169,9 @@ class TorchSteps(AttentionSteps):
         known = self._fused_part(node)
 
         def call(env):
-            if known is not None:  # (attention's sibling result, its call already made this run)
-                out = known()
-                if out is not None:
-                    return out
-            out = fn([read(env) for read in reads])
+            out = None if known is None else known()  # (attention's sibling result, its call made this run)
+            if out is None:
+                out = fn([read(env) for read in reads])
             if out.shape != shape:  # (generated kernels would read it as the plan's shape: out of bounds)
                 raise CodegenError(f"{node.op} gave a tensor of shape {list(out.shape)} where the plan has "
                                    f"{list(shape)} (a bug in egraph_compiler's op table; please report it)")
