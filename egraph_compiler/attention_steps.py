@@ -57,23 +57,21 @@ class AttentionSteps:
         masked = len(node.args) > operands
         mask_key = ("fused mask", id(node.args[-1]), node.args[1 if grad else 0].dtype)
 
-        def run(args):
-            got = self.memo.get(key)
-            if got is None:
-                mask = dead = None
-                past = causal  # (the program's own causal mask: the kernels' causal form, masks.py)
-                if masked:
-                    prepared = self.memo.get(mask_key)
-                    if prepared is None:
-                        q, keys = args[1 if grad else 0], args[2 if grad else 1].shape[2]
-                        prepared = self.memo[mask_key] = (None, None, True) if masks.causal(
-                            args[-1], q.shape[2], keys) else (*flash.prepare(args[-1], q, keys), False)
-                    mask, dead, past = prepared[0], prepared[1], causal or prepared[2]
-                if grad:
-                    got = flash.backward(*args[:6], scale, past, mask)
-                else:
-                    got = flash.forward(*args[:3], scale, past, mask, dead)
-                self.memo[key] = got
+        def run(args):  # (the call itself: a sibling whose call this run made reads `_fused_part`)
+            mask = dead = None
+            past = causal  # (the program's own causal mask: the kernels' causal form, masks.py)
+            if masked:
+                prepared = self.memo.get(mask_key)
+                if prepared is None:
+                    q, keys = args[1 if grad else 0], args[2 if grad else 1].shape[2]
+                    prepared = self.memo[mask_key] = (None, None, True) if masks.causal(
+                        args[-1], q.shape[2], keys) else (*flash.prepare(args[-1], q, keys), False)
+                mask, dead, past = prepared[0], prepared[1], causal or prepared[2]
+            if grad:
+                got = flash.backward(*args[:6], scale, past, mask)
+            else:
+                got = flash.forward(*args[:3], scale, past, mask, dead)
+            self.memo[key] = got
             return _attention_part(got, part, grad)
         return run
 
