@@ -46,6 +46,7 @@ class _Busy(Exception):
     pass
 
 
+MAX_LIBRARY_LAUNCH = 1e-3  # seconds: a library call's fitted fixed cost above this was a disturbed reading
 ATTEMPTS = 3  # a reading refused as disturbed is taken again (a moment later) this many times in all
 
 
@@ -141,11 +142,15 @@ def _generated_rate(chain) -> tuple[float, float]:
 
 def plausible(profile: DeviceProfile) -> bool:
     """Within a factor of the fixed CPU table: a reading far outside it was
-    taken on a machine too busy to measure, and is not kept."""
+    taken on a machine too busy to measure, and is not kept.  A library call's fixed
+    cost is 20-40 us on 16 cores; one of 11 ms was read on this 2-core machine with both
+    cores taken by other processes (every matmul run alike slow, so no run stood out),
+    and priced every library call of every plan at a whole layer's time."""
     default = PROFILES["cpu"]
     ratios = [profile.bandwidth / default.bandwidth, profile.flops / default.flops,
               profile.library_flops / default.library_flops, default.launch / max(profile.launch, 1e-9)]
-    return all(0.1 <= r <= 100 for r in ratios)
+    fixed = max(profile.library_launch, profile.attention_launch)
+    return all(0.1 <= r <= 100 for r in ratios) and fixed <= MAX_LIBRARY_LAUNCH
 
 
 def _key() -> str:
@@ -169,7 +174,8 @@ def _store(cached: dict) -> None:
 def cached_cpu_profile() -> DeviceProfile | None:
     """This machine's calibrated profile (machine, thread count, torch version), if measured."""
     entry = _cached().get(_key())
-    return DeviceProfile(**entry) if entry else None
+    profile = DeviceProfile(**entry) if entry else None
+    return profile if profile is not None and plausible(profile) else None  # (one cached before the check: again)
 
 
 def calibrate_cpu() -> DeviceProfile | None:

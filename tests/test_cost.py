@@ -53,6 +53,13 @@ def test_calibration_refuses_a_busy_machines_reading(monkeypatch):
         return outcome
     monkeypatch.setattr(calibrate, "_measure_cpu", once_disturbed)
     assert calibrate.measure_cpu() == calibrate.PROFILES["cpu"]  # the second reading is kept
+    # every run alike slow (both cores taken): a matmul's fixed cost of 11 ms passed the
+    # readings' spread check; plausibility refuses it
+    from dataclasses import replace
+    slow = replace(calibrate.PROFILES["cpu"], library_flops=59e9, library_launch=11.4e-3)
+    assert not calibrate.plausible(slow)
+    assert calibrate.plausible(replace(slow, library_launch=35e-6))
+    assert not calibrate.plausible(replace(slow, library_launch=35e-6, attention_launch=5e-3))
 
 
 def test_library_calls_are_charged_by_class():
