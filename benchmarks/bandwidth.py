@@ -1,7 +1,7 @@
 """Memory-bound row kernels against the copy bandwidth, by row length (GPU).
 
     python -m benchmarks.bandwidth [--mb 256] [--dtype bfloat16] [--rows 256,1024,4096,16384,32768]
-                                   [--tuned]
+                                   [--tuned] [--persistent-max N] [--loop-block N]
 
 For each row length, a [N, L] input of `--mb` megabytes: softmax, rms_norm and
 layer_norm+relu run as eager, Inductor (default mode) and egraph-compiler in
@@ -48,10 +48,15 @@ def main(argv=None) -> int:
     p.add_argument("--tuned", action="store_true", help="also time ours with tuned launch configurations")
     p.add_argument("--persistent-max", type=int, default=None,
                    help="longest row the Triton renderer keeps in registers (default: its own)")
+    p.add_argument("--loop-block", type=int, default=None,
+                   help="chunk of a longer row that the renderer's loops take at a time (default: its own)")
     args = p.parse_args(argv)
     if args.persistent_max:
         from egraph_compiler.codegen import triton as renderer
         renderer.PERSISTENT_MAX = args.persistent_max
+    if args.loop_block:
+        from egraph_compiler.codegen import triton as renderer
+        renderer.LOOP_BLOCK = args.loop_block
     dtype = getattr(torch, args.dtype)
     size = torch.finfo(dtype).bits // 8
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, {args.dtype}, {args.mb} MB per tensor\n")
