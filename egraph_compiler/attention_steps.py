@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from . import cost, flash, library, masks, ops
+from .errors import CodegenError
 from .graph import Node
 
 ATTENTION = cost.ATTENTION | {"sdpa_lse", "sdpa_lse_mask"}  # (the forward's logsumexp: a part of its call)
@@ -73,6 +74,36 @@ class AttentionSteps:
                 got = flash.forward(*args[:3], scale, past, mask, dead)
             self.memo[key] = got
             return _attention_part(got, part, grad)
+        return run
+
+    @staticmethod
+    def attention_direct(node: Node):
+        """A CPU `sdpa` or `sdpa_mask` on the operands the wrapper passes (wrapper.direct_attention):
+        q, k, v (and the mask) as arguments, no environment.  Whether the mask is the program's own
+        causal one (masks.py) is asked again only of another mask tensor than the last: the pair
+        (mask, answer) is swapped whole, so that a run in another thread reads a consistent one.
+        LLaMA's attention step at --size test took 44 us a call through the environment, the
+        flash kernel and its NaN check 25."""
+        shapes = [a.shape for a in node.args]
+        masked = library.attention(shapes, node.a, False)
+        shape = node.shape
+
+        def checked(out):
+            if out.shape != shape:  # (as step.call: a generated kernel would read it as the plan's shape)
+                raise CodegenError(f"{node.op} gave a tensor of shape {list(out.shape)} where the plan has "
+                                   f"{list(shape)} (a bug in egraph_compiler's op table; please report it)")
+            return out
+        if node.op == "sdpa":
+            return lambda q, k, v: checked(masked([q, k, v]))
+        causal = library.attention(shapes[:3], {**node.a, "causal": True}, False)
+        queries, keys = shapes[0][-2], shapes[1][-2]
+        last = [(None, False)]
+
+        def run(q, k, v, mask):
+            seen = last[0]
+            if seen[0] is not mask:
+                seen = last[0] = (mask, masks.causal(mask, queries, keys))
+            return checked(causal([q, k, v]) if seen[1] else masked([q, k, v, mask]))
         return run
 
     def _causal(self, node: Node, mask) -> bool:

@@ -115,7 +115,7 @@ def forward(q, k, v, scale: float, causal: bool, mask=None, dead=None) -> tuple[
     k, v = _repeat(k, groups), _repeat(v, groups)
     backend = _backend(q, mask is not None)
     if backend == "cpu":
-        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask,
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu.default(q, k, v, 0.0, causal, attn_mask=mask,
                                                                     scale=scale)
     elif backend == "cudnn":
         out, lse = aten._scaled_dot_product_cudnn_attention(q, k, v, mask, True, 0.0, causal, False, scale=scale)[:2]
@@ -138,7 +138,7 @@ def backward(dout, q, k, v, out, lse, scale: float, causal: bool, mask=None) -> 
     backend, dev = _backend(q, mask is not None), q.device
     dout = _canonical(dout)  # (the output's own layout: cuDNN reads the two alike)
     if backend == "cpu":
-        grads = aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, kr, vr, out, lse, 0.0, causal,
+        grads = aten._scaled_dot_product_flash_attention_for_cpu_backward.default(dout, q, kr, vr, out, lse, 0.0, causal,
                                                                           attn_mask=mask, scale=scale)
     elif backend == "cudnn":
         seed = _dummy((), torch.int64, dev)

@@ -77,7 +77,14 @@ def straight_line(executable, loops_by_name: dict, nodes: dict, release) -> Wrap
             local[id(kernel.output)] = f"t{step}"
             contiguous = id(kernel.output) in generated_reads
             operands = direct_operands(kernel.output, local) if direct_linear(kernel) else None
-            if operands is None:
+            if direct_attention(kernel, target):
+                operands = [view_operand(a, f"_{kernel.name}_{i}", local, dense - executable._any_strides, names)
+                            for i, a in enumerate(kernel.output.args)]
+                operands = None if None in operands else operands
+            if operands is not None and kernel.output.op in ("sdpa", "sdpa_mask"):
+                call = executable.steps.attention_direct(kernel.output)
+                names[f"_{kernel.name}"] = (lambda *t, call=call: call(*t).contiguous()) if contiguous else call
+            elif operands is None:
                 names[f"_{kernel.name}"] = executable.torch_step(kernel, contiguous)
             else:
                 names[f"_{kernel.name}"] = executable.steps.linear_call(
@@ -170,6 +177,16 @@ def weight_transposed(node, local: dict) -> bool:
     w = node.args[1]
     return (id(w) not in local and w.op == "transpose" and len(w.shape) == 2 and len(w.args[0].shape) == 2
             and id(w.args[0]) in local)
+
+
+def direct_attention(kernel, target) -> bool:
+    """A CPU attention call without a mask or with one (not training's fused calls, which share a
+    call between nodes) whose q, k, v and result are of one dtype: called on the operands the
+    wrapper holds or views (AttentionSteps.attention_direct)."""
+    node = kernel.output
+    return (target.device == "cpu" and kernel.kind == "library" and node.op in ("sdpa", "sdpa_mask")
+            and node.dtype in ("float32", "bfloat16", "float16", "float64")
+            and all(a.dtype == node.dtype for a in node.args[:3]))
 
 
 def direct_linear(kernel) -> bool:

@@ -189,3 +189,44 @@ def test_attention_math_fallbacks_in_threads_leave_torchs_kernel_choice_alone():
     assert not errors, errors
     assert (torch._C._get_flash_sdp_enabled(), torch._C._get_math_sdp_enabled(),
             torch._C._get_mem_efficient_sdp_enabled()) == flags
+
+
+def _attention_program(case: str):
+    """(fn, inputs): attention as a program writes it, in the layouts and dtypes of `case`."""
+    dtype = torch.bfloat16 if case == "bf16" else torch.float32
+    s = 1 if case == "one query" else 7
+    kv_heads = 2 if case == "grouped" else 4
+    q = torch.randn(2, 4, s, 8, dtype=dtype)
+    k, v = (torch.randn(2, kv_heads, s, 8, dtype=dtype) for _ in range(2))
+    if case == "transposed q":  # (a last dim not contiguous: torch's math kernel, as eager picks)
+        q = torch.randn(2, 4, 8, s).transpose(-1, -2)
+    if case in ("no mask", "transposed q", "one query", "bf16"):
+        return (lambda q, k, v: F.scaled_dot_product_attention(q, k, v)), [q, k, v]
+    if case == "caller's mask":
+        mask = torch.rand(2, 1, s, s) > 0.3
+        mask[..., 0] = True
+        return (lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m)), [q, k, v, mask]
+
+    def fn(q, k, v):  # the program's own causal mask (grouped: as transformers' sdpa with enable_gqa)
+        mask = _positions_mask(q.shape[-2], "inf")
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=case == "grouped")
+    return fn, [q, k, v]
+
+
+@pytest.mark.parametrize("case", ["no mask", "program's causal mask", "caller's mask", "grouped", "transposed q",
+                                  "one query", "bf16"])
+def test_an_attention_step_takes_the_wrappers_operands(case):
+    """A CPU attention call is made on the operands the wrapper holds (steps.attention_direct): no
+    environment, the causal question asked again only of another mask tensor (LLaMA's step at
+    --size test: 44 us through the environment, 25 for the flash kernel and its NaN check)."""
+    fn, inputs = _attention_program(case)
+    with torch.no_grad():
+        compiled = egc.compile(fn, inputs)
+        lines = [line for line in compiled._executable.wrapper.source.splitlines() if "# library: sdpa" in line]
+        assert lines and all(line.endswith(", direct") for line in lines), compiled._executable.wrapper.source
+        tolerance = dict(atol=2e-2, rtol=2e-2) if case == "bf16" else dict(atol=1e-5, rtol=1e-4)
+        for _ in range(2):  # (the second call with new values, a caller's mask among them)
+            torch.testing.assert_close(compiled(*inputs), fn(*inputs), **tolerance)
+            inputs = [torch.rand(x.shape) > 0.5 if x.dtype == torch.bool else torch.randn_like(x) for x in inputs]
+            if case == "caller's mask":
+                inputs[3][..., 0] = True
