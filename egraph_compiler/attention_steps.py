@@ -3,6 +3,8 @@ kernels with what a run can share between layers and sibling results decided onc
 (a mask converted, the program's causal mask recognised, one fused call's several results)."""
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from . import cost, flash, library, masks, ops
@@ -97,12 +99,12 @@ class AttentionSteps:
             return lambda q, k, v: checked(masked([q, k, v]))
         causal = library.attention(shapes[:3], {**node.a, "causal": True}, False)
         queries, keys = shapes[0][-2], shapes[1][-2]
-        last = [(None, False)]
+        last = [(lambda: None, False)]  # (the mask held weakly: a caller's tensor is not kept alive)
 
         def run(q, k, v, mask):
             seen = last[0]
-            if seen[0] is not mask:
-                seen = last[0] = (mask, masks.causal(mask, queries, keys))
+            if seen[0]() is not mask:
+                seen = last[0] = (weakref.ref(mask), masks.causal(mask, queries, keys))
             return checked(causal([q, k, v]) if seen[1] else masked([q, k, v, mask]))
         return run
 

@@ -116,7 +116,7 @@ def forward(q, k, v, scale: float, causal: bool, mask=None, dead=None) -> tuple[
     backend = _backend(q, mask is not None)
     if backend == "cpu":
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu.default(q, k, v, 0.0, causal, attn_mask=mask,
-                                                                    scale=scale)
+                                                                            scale=scale)
     elif backend == "cudnn":
         out, lse = aten._scaled_dot_product_cudnn_attention(q, k, v, mask, True, 0.0, causal, False, scale=scale)[:2]
         lse = lse.reshape(lse.shape[:3])
@@ -138,8 +138,8 @@ def backward(dout, q, k, v, out, lse, scale: float, causal: bool, mask=None) -> 
     backend, dev = _backend(q, mask is not None), q.device
     dout = _canonical(dout)  # (the output's own layout: cuDNN reads the two alike)
     if backend == "cpu":
-        grads = aten._scaled_dot_product_flash_attention_for_cpu_backward.default(dout, q, kr, vr, out, lse, 0.0, causal,
-                                                                          attn_mask=mask, scale=scale)
+        grads = aten._scaled_dot_product_flash_attention_for_cpu_backward.default(
+            dout, q, kr, vr, out, lse, 0.0, causal, attn_mask=mask, scale=scale)
     elif backend == "cudnn":
         seed = _dummy((), torch.int64, dev)
         grads = aten._scaled_dot_product_cudnn_attention_backward(

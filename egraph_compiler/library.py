@@ -342,7 +342,7 @@ def math_attention(q, k, v, mask, causal: bool, scale, grouped: bool):
         past = torch.zeros(keep.shape, dtype=q.dtype, device=q.device).masked_fill(~keep, float("-inf"))
         mask, causal = (past if mask is None else mask + past), False
     return torch.ops.aten._scaled_dot_product_attention_math.default(q, k, v, mask, 0.0, causal, scale=scale,
-                                                             enable_gqa=grouped)[0]
+                                                                     enable_gqa=grouped)[0]
 
 
 def query_group_mask(mask, groups: int, rows: int):

@@ -2,6 +2,7 @@
 in inference and in training's forward and backward; any other mask, and any mask
 the caller passes in, runs as a mask.  Every case is checked against eager."""
 import copy
+import weakref
 
 import pytest
 import torch
@@ -230,3 +231,8 @@ def test_an_attention_step_takes_the_wrappers_operands(case):
             inputs = [torch.rand(x.shape) > 0.5 if x.dtype == torch.bool else torch.randn_like(x) for x in inputs]
             if case == "caller's mask":
                 inputs[3][..., 0] = True
+        if case == "caller's mask":  # the last mask asked about is held weakly: the caller's to free
+            compiled(*inputs)
+            gone = weakref.ref(inputs[3])
+            del inputs
+            assert gone() is None
