@@ -51,12 +51,10 @@ def main(argv=None) -> int:
     p.add_argument("--loop-block", type=int, default=None,
                    help="chunk of a longer row that the renderer's loops take at a time (default: its own)")
     args = p.parse_args(argv)
-    if args.persistent_max:
+    if args.persistent_max or args.loop_block:
         from egraph_compiler.codegen import triton as renderer
-        renderer.PERSISTENT_MAX = args.persistent_max
-    if args.loop_block:
-        from egraph_compiler.codegen import triton as renderer
-        renderer.LOOP_BLOCK = args.loop_block
+        renderer.PERSISTENT_MAX = args.persistent_max or renderer.PERSISTENT_MAX
+        renderer.LOOP_BLOCK = args.loop_block or renderer.LOOP_BLOCK
     dtype = getattr(torch, args.dtype)
     size = torch.finfo(dtype).bits // 8
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, {args.dtype}, {args.mb} MB per tensor\n")

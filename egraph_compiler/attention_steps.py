@@ -88,13 +88,9 @@ class AttentionSteps:
         flash kernel and its NaN check 25."""
         shapes = [a.shape for a in node.args]
         masked = library.attention(shapes, node.a, False)
-        shape = node.shape
 
         def checked(out):
-            if out.shape != shape:  # (as step.call: a generated kernel would read it as the plan's shape)
-                raise CodegenError(f"{node.op} gave a tensor of shape {list(out.shape)} where the plan has "
-                                   f"{list(shape)} (a bug in egraph_compiler's op table; please report it)")
-            return out
+            return plan_shaped(node, out)
         if node.op == "sdpa":
             return lambda q, k, v: checked(masked([q, k, v]))
         causal = library.attention(shapes[:3], {**node.a, "causal": True}, False)
@@ -160,6 +156,15 @@ class AttentionSteps:
         if key not in self.memo:
             self.memo[key] = library.fully_masked_rows(mask, keys)
         return self.memo[key]
+
+
+def plan_shaped(node: Node, out: torch.Tensor) -> torch.Tensor:
+    """A step's result, checked to have its node's shape (generated kernels would read it as the
+    plan's shape, out of bounds)."""
+    if out.shape != node.shape:
+        raise CodegenError(f"{node.op} gave a tensor of shape {list(out.shape)} where the plan has "
+                           f"{list(node.shape)} (a bug in egraph_compiler's op table; please report it)")
+    return out
 
 
 def _attention_part(got: tuple, part: int, grad: bool) -> torch.Tensor:

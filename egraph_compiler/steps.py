@@ -20,7 +20,7 @@ import torch
 from torch._prims_common import make_contiguous_strides_for
 
 from . import cpu_linear, ops
-from .attention_steps import ATTENTION, AttentionSteps
+from .attention_steps import ATTENTION, AttentionSteps, plan_shaped
 from .errors import CodegenError
 from .cost import ONEDNN_LINEARS
 from .graph import WEAK, Node, view_source
@@ -164,7 +164,6 @@ class TorchSteps(AttentionSteps):
                 reads.append(self.getter(a))
         fn = self._function(node)
         dtype = torch_dtype(node.dtype) if node.dtype != WEAK else None
-        shape = node.shape
 
         known = self._fused_part(node)
 
@@ -172,9 +171,7 @@ class TorchSteps(AttentionSteps):
             out = None if known is None else known()  # (attention's sibling result, its call made this run)
             if out is None:
                 out = fn([read(env) for read in reads])
-            if out.shape != shape:  # (generated kernels would read it as the plan's shape: out of bounds)
-                raise CodegenError(f"{node.op} gave a tensor of shape {list(out.shape)} where the plan has "
-                                   f"{list(shape)} (a bug in egraph_compiler's op table; please report it)")
+            out = plan_shaped(node, out)
             return out if dtype is None or out.dtype == dtype else out.to(dtype)
         if fused:
             return _computed_once(None, call, self._inline_reads)  # (its operands' fused producers, each once)

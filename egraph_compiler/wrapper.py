@@ -76,16 +76,18 @@ def straight_line(executable, loops_by_name: dict, nodes: dict, release) -> Wrap
         else:
             local[id(kernel.output)] = f"t{step}"
             contiguous = id(kernel.output) in generated_reads
-            operands = direct_operands(kernel.output, local) if direct_linear(kernel) else None
-            if direct_attention(kernel, target):
+            attention = direct_attention(kernel, target)
+            if attention:
                 operands = [view_operand(a, f"_{kernel.name}_{i}", local, dense - executable._any_strides, names)
                             for i, a in enumerate(kernel.output.args)]
                 operands = None if None in operands else operands
-            if operands is not None and kernel.output.op in ("sdpa", "sdpa_mask"):
+            else:
+                operands = direct_operands(kernel.output, local) if direct_linear(kernel) else None
+            if operands is None:
+                names[f"_{kernel.name}"] = executable.torch_step(kernel, contiguous)
+            elif attention:
                 call = executable.steps.attention_direct(kernel.output)
                 names[f"_{kernel.name}"] = (lambda *t, call=call: call(*t).contiguous()) if contiguous else call
-            elif operands is None:
-                names[f"_{kernel.name}"] = executable.torch_step(kernel, contiguous)
             else:
                 names[f"_{kernel.name}"] = executable.steps.linear_call(
                     kernel.output, contiguous, weight_transposed(kernel.output, local))
