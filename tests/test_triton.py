@@ -331,6 +331,8 @@ def test_a_forked_process_lets_go_of_its_parents_compile_workers(monkeypatch):
     monkeypatch.setattr(triton_workers, "_POOL", [None])
     monkeypatch.setenv("EGC_COMPILE_WORKERS", "1")
     pool = triton_workers.start(("cuda", 90, 32))
+    # (its start-up done first: on a loaded machine importing torch can outlast close's grace)
+    assert pool.children[0].stdout.readline().split() == ["ready"]
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # (the forked process: report, then outlive the parent's close)
