@@ -4,6 +4,8 @@ kernel.  The outer loop is `omp parallel for`, inner loops are `omp simd`
 library by name so that, with glibc's vector math library, they vectorise."""
 from __future__ import annotations
 
+import re
+
 from egraph_compiler.loopir import (ERROR_FLAG, STASH, Acc, Call, Const, Load, LoopKernel, calls, contains,
                                     expressions, gathers, has_gather, transposed_reads, variables)
 from egraph_compiler.pieces import pieces, strips
@@ -24,9 +26,9 @@ PARALLEL_MIN = 1 << 15  # below this many elements, threads cost more than they 
 SCALAR_OPS = {
     "exp": "egc_exp({0})", "log": "logf({0})", "tanh": "tanhf({0})", "erf": "erff({0})",
     "cos": "egc_cosf({0})", "sin": "egc_sinf({0})", "floor": "floorf({0})", "log1p": "log1pf({0})", "expm1": "expm1f({0})",
-    "relu": "egc_relu({0})", "sigmoid": "(1.0f / (1.0f + egc_exp(-({0}))))", "neg": "(-({0}))",
+    "relu": "egc_relu({0})", "sigmoid": "(1.0f / (1.0f + egc_exp((-({0})))))", "neg": "(-({0}))",
     "abs": "std::fabs({0})", "sqrt": "sqrtf({0})", "rsqrt": "(1.0f / sqrtf({0}))",
-    "silu": "(({0}) / (1.0f + egc_exp(-({0}))))",
+    "silu": "(({0}) / (1.0f + egc_exp((-({0})))))",  # (exp's text of neg's: calls shared_calls finds alike)
     "gelu": "(0.5f * ({0}) * (1.0f + erff(({0}) * 0.7071067811865476f)))",
     "gelu_tanh": "(0.5f * ({0}) * (1.0f + tanhf(0.7978845608028654f * (({0}) + 0.044715f * ({0}) * ({0}) * ({0})))))",
     "cast": "egc_cast<{dtype}>({0})",
@@ -129,12 +131,14 @@ def _render_loops(k: LoopKernel) -> str:
         if any(red.acc == bounded for _, red in group):
             split = len(lines)
     stores = [(k.store_param, k.store_index, k.value, k.store_in_inner)] + list(k.extra_stores)
-    inner = " ".join(_store(p, i, v, types) for p, i, v, in_inner in stores if in_inner)
+    written = {p.name for p in k.params if p.role == "out"}
+    inner = shared_calls(" ".join(_store(p, i, v, types) for p, i, v, in_inner in stores if in_inner), written)
     strip = strips(k) if not has_gather(k) else None
     if strip:  # the row in runs of m, each read along without a division (pieces.strips)
         m, runs = strip
-        text = " ".join(_store(p, i, v, types) for p, i, v, _ in
-                        [(runs.store_param, runs.store_index, runs.value, True)] + list(runs.extra_stores))
+        text = shared_calls(" ".join(_store(p, i, v, types) for p, i, v, _ in
+                                     [(runs.store_param, runs.store_index, runs.value, True)] + list(runs.extra_stores)),
+                            written)
         lines += [f"    for (int64_t rh = 0; rh < {k.inner // m}; ++rh) {{", "      #pragma omp simd",
                   f"      for (int64_t rl = 0; rl < {m}; ++rl) {{ {text} }}", "    }"]
     elif inner:
@@ -287,6 +291,39 @@ def _replace_all(line: str, texts: dict[str, str]) -> str:
     for old, new in texts.items():
         line = line.replace(old, new)
     return line
+
+
+_TRANSCENDENTAL = re.compile(r"\b(?:egc_exp|expf|logf|tanhf|erff|egc_cosf|egc_sinf|log1pf|expm1f|powf|sqrtf)\(")
+
+
+def shared_calls(body: str, written: set[str]) -> str:
+    """A loop body's stores with each transcendental call that appears more than once taken
+    once, into a local at the body's start (innermost first): g++ left both of a silu
+    backward's exp(-x) calls (silu's and sigmoid's) as calls per 8 lanes, 678 us against 376
+    for its kernel on 2 cores (BENCHMARKS.md).  A call reading a buffer the body writes stays
+    where it is (its store may come first)."""
+    names: list[tuple[str, str]] = []
+    while True:
+        text = " ".join(call for _, call in names) + " " + body
+        repeated = [c for c in set(_calls(text)) if text.count(c) >= 2
+                    and not any(f"{w}[" in c for w in written)]
+        if not repeated:
+            break
+        call = min(repeated, key=lambda c: (len(c), c))
+        name = f"egc_s{len(names)}"
+        names = [(n, c.replace(call, name)) for n, c in names] + [(name, call)]
+        body = body.replace(call, name)
+    return " ".join(f"const auto {n} = {c};" for n, c in names) + (" " if names else "") + body
+
+
+def _calls(text: str):
+    for match in _TRANSCENDENTAL.finditer(text):
+        depth = 0
+        for end in range(match.end() - 1, len(text)):
+            depth += {"(": 1, ")": -1}.get(text[end], 0)
+            if depth == 0:
+                yield text[match.start():end + 1]
+                break
 
 
 def _hoist_rows(k: LoopKernel, types, lines: list[str]) -> list[str]:

@@ -601,3 +601,21 @@ def test_inline_exp_of_a_bounded_row_is_within_an_ulp():
     got, want = compiled(x).double(), x.double().exp()
     ulp = (torch.nextafter(want.float(), torch.tensor(float("inf"))).double() - want.float().double())
     assert ((got - want).abs() / ulp).max().item() < 1.05
+
+
+def test_a_call_shared_by_a_kernels_stores_is_taken_once():
+    """silu's and sigmoid's exp(-x) in one kernel (a silu's backward: codegen.cpp.shared_calls) is
+    one call into a local, not one per store; results as eager's over the whole range (inf, -inf,
+    NaN, exp's slow path below -87, denormals), and a kernel of one call keeps its call inline."""
+    def fn(x, y):
+        s = torch.sigmoid(x)
+        return F.silu(x) * y, (1 - s) * x + 1, torch.tanh(torch.exp(-x)) + torch.exp(-x) * y
+    x, y = torch.randn(64, 1024), torch.randn(64, 1024)
+    x[0, :6] = torch.tensor([float("inf"), float("-inf"), float("nan"), -100.0, 95.0, 1e-40])
+    compiled = egraph_compiler.compile(fn, [x, y])
+    kernels = compiled.source.split('extern "C" void')[1:]
+    assert sum(k.count("egc_exp(") for k in kernels) == 1 and "const auto egc_s0 = egc_exp(" in compiled.source
+    for got, want in zip(compiled(x, y), fn(x, y)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, equal_nan=True)
+    alone = egraph_compiler.compile(lambda x: torch.sigmoid(x) * 2, [x])
+    assert "egc_s0" not in alone.source
