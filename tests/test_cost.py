@@ -140,7 +140,9 @@ def test_a_transposing_store_is_charged_one_more_pass():
 def test_calibration_benchmark_tells_when_calibrations_plan_differently(monkeypatch, capsys):
     """benchmarks/calibration.py compiles each workload under each calibration's profile and says
     whether the plans agree: two equal profiles agree; a second whose generated code is 10^4
-    times slower (so recomputing a row's mean looks dearer than a round trip) splits ln_relu."""
+    times slower (so recomputing looks dearer than a round trip) splits rmsnorm_swiglu's kernels.
+    (ln_relu was the example until a kernel's loads were counted once per tensor: one kernel
+    under every profile since.)"""
     import dataclasses
 
     from benchmarks import calibration
@@ -154,6 +156,6 @@ def test_calibration_benchmark_tells_when_calibrations_plan_differently(monkeypa
             return current["profile"]
         monkeypatch.setattr(calibrate, "calibrate_cpu", measure)
         monkeypatch.setattr(calibrate, "cpu_profile", lambda: current["profile"])
-        assert calibration.main(["--runs", "2", "--size", "test", "--workloads", "ln_relu"]) == 0
+        assert calibration.main(["--runs", "2", "--size", "test", "--workloads", "rmsnorm_swiglu"]) == 0
         out = capsys.readouterr().out
-        assert f"| ln_relu | {verdict} |" in out, out
+        assert f"| rmsnorm_swiglu | {verdict} |" in out, out
