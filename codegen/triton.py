@@ -31,7 +31,7 @@ from .triton_table import FIELDS, PRELUDE, TL
 from .walker import Target, render_expr, render_index
 
 PERSISTENT_MAX = 32768  # longest row kept in registers (87-91% of copy bandwidth at 16k on an H200)
-LOOP_BLOCK = 2048
+LOOP_BLOCK = 8192  # a looped row's chunk, 16 warps: 90% of copy for ln_relu at 32k on an H100, 47% at 2048 (BENCHMARKS.md)
 POINTWISE_BLOCK = 1024  # elements per program of a pointwise kernel
 TILE = 32  # a transposing pointwise kernel's block: 2*TILE rows (o) by TILE columns (r)
 

@@ -314,8 +314,7 @@ _op("cat", "concat", 2, [("dim", "int")], cat_shape, 0, lambda t, a: torch.cat([
 _op("softmax", "row", 1, [("dim", "int")], first_shape, 7, lambda t, a: torch.softmax(t[0], a["dim"]))
 _op("log_softmax", "row", 1, [("dim", "int")], first_shape, 7, lambda t, a: torch.log_softmax(t[0], a["dim"]))
 # (per element, layer_norm: the mean's add, the centring, the square and its sum, the scale, the
-# weight, the bias: 7, below its decomposition into mean, sub, rms_norm and add (1 + 1 + 5 + 1), which
-# extraction, counting a kernel's loads once per tensor, would otherwise pick for the composite)
+# weight, the bias: 7, below its decomposition into mean, sub, rms_norm and add (1 + 1 + 5 + 1))
 _op("layer_norm", "row", 3, [("ndim", "int"), ("eps", "float")], first_shape, 7,
     lambda t, a: F.layer_norm(t[0], t[0].shape[-a["ndim"]:], t[1].expand(t[0].shape[-a["ndim"]:]),
                               t[2].expand(t[0].shape[-a["ndim"]:]), a["eps"]))

@@ -140,9 +140,7 @@ def test_a_transposing_store_is_charged_one_more_pass():
 def test_calibration_benchmark_tells_when_calibrations_plan_differently(monkeypatch, capsys):
     """benchmarks/calibration.py compiles each workload under each calibration's profile and says
     whether the plans agree: two equal profiles agree; a second whose generated code is 10^4
-    times slower (so recomputing looks dearer than a round trip) splits rmsnorm_swiglu's kernels.
-    (ln_relu was the example until a kernel's loads were counted once per tensor: one kernel
-    under every profile since.)"""
+    times slower (so recomputing looks dearer than a round trip) splits rmsnorm_swiglu's kernels."""
     import dataclasses
 
     from benchmarks import calibration

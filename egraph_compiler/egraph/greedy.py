@@ -6,10 +6,8 @@ memory by a kernel of its own, or is an input or a view) or *inlined* (an
 extractor keeps the best choice for both uses:
 
 - inlined: the FLOPs and bytes loaded by the inlined body, plus the
-  materialised kernels it depends on.  Inlined bodies' FLOPs are tree-costed, so
-  an inlined producer used by two kernels is charged in each (it is recomputed);
-  their loads are counted once per tensor a kernel reads (a fused silu backward
-  reads its input once, however many of its ops take it).
+  materialised kernels it depends on.  Inlined bodies are tree-costed, so an
+  inlined producer used by two kernels is charged in each (it is recomputed).
 - materialised: the roofline cost of the kernel rooted here (body FLOPs,
   loads + its own store, launch), plus the kernels it depends on.  Kernels are
   DAG-costed: a materialised class is paid once however many kernels read it.
@@ -40,7 +38,7 @@ class Option:
     node: ENode
     needed: dict[str, float]  # materialised class -> its kernel cost
     flops: float = 0.0
-    loads: dict = field(default_factory=dict)  # class read from memory -> its bytes (once per kernel)
+    loads: float = 0.0
     body: frozenset = field(default_factory=frozenset)  # classes computed inline (a cycle guard)
     elementwise: float = 0.0  # of `flops`, those a broadcasting consumer repeats (cost.repeats)
 
@@ -102,7 +100,7 @@ class KernelExtractor:
             flops = op_flops(en.op, self._shape_of(en), [self.eg.shape[c] for c in en.children], self.profile)
         elementwise = flops if group in ELEMENTWISE else 0.0
         elements = self.numel[self.class_of[id(en)]]
-        loads, needed, inlined = {}, {}, frozenset()
+        loads, needed, inlined = 0.0, {}, frozenset()
         for position, child in enumerate(en.children):
             if child in self.inline_of:
                 if ops.operand_in_memory(group, position):
@@ -111,7 +109,7 @@ class KernelExtractor:
                 if option is None:
                     return None
                 times = repeats(group, elements, self.numel[self.inline_of[child]])
-                flops, loads = flops + option.flops + option.elementwise * (times - 1), {**loads, **option.loads}
+                flops, loads = flops + option.flops + option.elementwise * (times - 1), loads + option.loads
                 elementwise += option.elementwise * times if group in ELEMENTWISE else 0.0
                 needed = {**needed, **option.needed}
                 inlined |= option.body
@@ -121,7 +119,7 @@ class KernelExtractor:
                     return None
                 needed = {**needed, **option.needed}
                 if option.node.op != "const":
-                    loads = {**loads, child: self.bytes(child)}
+                    loads += self.bytes(child)
         return flops, loads, needed, inlined, elementwise
 
     def _shape_of(self, en: ENode):
@@ -133,8 +131,8 @@ class KernelExtractor:
         if group not in INLINE_GROUPS or class_id in inlined or en.op == "extern":
             return False
         if en.op == "input":
-            loads = {class_id: self.bytes(class_id)}
-        total = sum(needed.values()) + inlined_cost(flops, sum(loads.values()), self.profile)
+            loads = self.bytes(class_id)
+        total = sum(needed.values()) + inlined_cost(flops, loads, self.profile)
         old = self.inl.get(class_id)
         if old is not None and total >= old.total - 1e-15:
             return False
@@ -163,7 +161,7 @@ class KernelExtractor:
             cost = VIEW_COST  # a view of a materialised tensor
         else:
             extra = extra_passes(en.op, [self.eg.shape[c] for c in en.children], en.attrs) * self.bytes(class_id)
-            cost = kernel_cost(flops, sum(loads.values()) + self.bytes(class_id), self.profile, library=group == "library",
+            cost = kernel_cost(flops, loads + self.bytes(class_id), self.profile, library=group == "library",
                                link=group == "collective", serial_bytes=extra, op=en.op)
         needed = {**needed, class_id: cost}
         return Option(sum(needed.values()), en, needed)
