@@ -310,7 +310,7 @@ def shared_calls(body: str, written: set[str]) -> str:
         if not repeated:
             break
         call = min(repeated, key=lambda c: (len(c), c))
-        name = f"egc_s{len(names)}"
+        name = f"egc_call{len(names)}"  # (not egc_sN: a sized template's sizes, codegen/sizes.py)
         names = [(n, c.replace(call, name)) for n, c in names] + [(name, call)]
         body = body.replace(call, name)
     return " ".join(f"const auto {n} = {c};" for n, c in names) + (" " if names else "") + body
