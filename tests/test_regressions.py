@@ -1224,3 +1224,23 @@ def test_the_gradient_of_a_max_of_a_transcendental_picks_its_elements(name, shap
         grads.append(x.grad)
     torch._dynamo.reset()
     torch.testing.assert_close(grads[1], grads[0], atol=1e-6, rtol=1e-5)
+
+
+# ---- a view of an ATen step's strided result is taken per call (soak 38001:0:56) ----
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_attention_on_slices_of_a_strided_fallback_result(dtype):
+    """The expanded-then-transposed product (float64: an ATen step, its result handed on with
+    torch's strides, a 0 among them) is q, and k, v are slices of it. The wrapper took the
+    slices with fixed strides as if that result were contiguous: setStorage out of bounds."""
+    def fn(a, b):
+        x = (a @ b) * 2.0
+        q = x.reshape(1, 10, 1, 1).expand(1, 10, 2, 1).reshape(10, 2).expand(6, 10, 2).reshape(6, 10, 2, 1)
+        q = q.transpose(1, 2)
+        return F.scaled_dot_product_attention(q, q[:, 0:1], q[:, 1:2], scale=2.0)
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(10, 3, generator=g, dtype=dtype), torch.randn(3, 1, generator=g, dtype=dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (float64's fallback is warned about; not the point here)
+        compiled = egc.compile(fn, [a, b])
+    same(compiled, fn, a, b)
