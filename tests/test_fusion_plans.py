@@ -140,3 +140,27 @@ def test_a_value_every_head_reads_is_computed_once_not_per_head():
     assert per_head and not any({"cos", "sin"} & set(kernel_ops(k)) for k in per_head), str(compiled.plan)
     assert any("cos" in kernel_ops(k) and k.output.numel == 128 * 64 for k in compiled.plan.kernels)
 
+
+
+def test_a_silu_backward_reads_its_input_once_in_one_loop_nest(monkeypatch):
+    """SwiGLU's backward as AOTAutograd writes it (d_up = dh * silu(g), d_gate = dh * u * s * (1 +
+    g * (1 - s)) for s = sigmoid(g)): one loop nest.  While extraction charged a fused kernel a
+    tensor's bytes once per op that read it, g's three reads made the factor (1 + g * (1 - s)) a
+    kernel of its own, a round trip through memory and a second pass (835 against 476 us on 2
+    cores, BENCHMARKS.md)."""
+    def fn(g, u, dh):
+        s = torch.sigmoid(g)
+        return dh * torch.nn.functional.silu(g), dh * u * (s * (1 + g * (1 - s)))
+    import dataclasses
+    from egraph_compiler import calibrate
+    measured = dataclasses.replace(calibrate.PROFILES["cpu"], bandwidth=21.7e9, flops=41.8e9, exp_cost=4.4,
+                                   tanh_cost=4.5, launch=1.5e-6)  # (a 2-core machine's calibration)
+    monkeypatch.setattr(calibrate, "cpu_profile", lambda: measured)
+    g, u, dh = torch.randn(256, 512), torch.randn(256, 512), torch.randn(256, 512)
+    compiled = egc.compile(fn, [g, u, dh], profile="cpu")
+    verify_plan(compiled.plan)
+    assert [k.loop_nest for k in compiled.plan.kernels] == ["", "k0"], str(compiled.plan)
+    produced = {id(k.output) for k in compiled.plan.kernels}
+    assert not any(id(i) in produced for k in compiled.plan.kernels for i in k.inputs), str(compiled.plan)
+    for got, want in zip(compiled(g, u, dh), fn(g, u, dh)):
+        torch.testing.assert_close(got, want)

@@ -6,8 +6,13 @@ memory by a kernel of its own, or is an input or a view) or *inlined* (an
 extractor keeps the best choice for both uses:
 
 - inlined: the FLOPs and bytes loaded by the inlined body, plus the
-  materialised kernels it depends on.  Inlined bodies are tree-costed, so an
-  inlined producer used by two kernels is charged in each (it is recomputed).
+  materialised kernels it depends on.  Inlined bodies' FLOPs are tree-costed, so
+  an inlined producer used by two kernels is charged in each (it is recomputed);
+  their loads are counted once per tensor a kernel reads (a fused silu backward
+  reads its input once, however many of its ops take it), except where an inlined
+  operand computes again what the body already inlines (`_merged`): that one is
+  written out at each read, its loads with it, so a chain of `x * x + x` is cut
+  into kernels rather than kept inline at twice the work per step.
 - materialised: the roofline cost of the kernel rooted here (body FLOPs,
   loads + its own store, launch), plus the kernels it depends on.  Kernels are
   DAG-costed: a materialised class is paid once however many kernels read it.
@@ -38,7 +43,7 @@ class Option:
     node: ENode
     needed: dict[str, float]  # materialised class -> its kernel cost
     flops: float = 0.0
-    loads: float = 0.0
+    loads: dict = field(default_factory=dict)  # class read from memory -> its bytes (once per kernel)
     body: frozenset = field(default_factory=frozenset)  # classes computed inline (a cycle guard)
     elementwise: float = 0.0  # of `flops`, those a broadcasting consumer repeats (cost.repeats)
 
@@ -100,7 +105,7 @@ class KernelExtractor:
             flops = op_flops(en.op, self._shape_of(en), [self.eg.shape[c] for c in en.children], self.profile)
         elementwise = flops if group in ELEMENTWISE else 0.0
         elements = self.numel[self.class_of[id(en)]]
-        loads, needed, inlined = 0.0, {}, frozenset()
+        loads, needed, inlined = {}, {}, frozenset()
         for position, child in enumerate(en.children):
             if child in self.inline_of:
                 if ops.operand_in_memory(group, position):
@@ -109,7 +114,8 @@ class KernelExtractor:
                 if option is None:
                     return None
                 times = repeats(group, elements, self.numel[self.inline_of[child]])
-                flops, loads = flops + option.flops + option.elementwise * (times - 1), loads + option.loads
+                flops = flops + option.flops + option.elementwise * (times - 1)
+                loads = _merged(loads, option.loads, recomputed=bool(option.body & inlined))
                 elementwise += option.elementwise * times if group in ELEMENTWISE else 0.0
                 needed = {**needed, **option.needed}
                 inlined |= option.body
@@ -119,7 +125,7 @@ class KernelExtractor:
                     return None
                 needed = {**needed, **option.needed}
                 if option.node.op != "const":
-                    loads += self.bytes(child)
+                    loads = {**loads, child: self.bytes(child)}
         return flops, loads, needed, inlined, elementwise
 
     def _shape_of(self, en: ENode):
@@ -131,8 +137,8 @@ class KernelExtractor:
         if group not in INLINE_GROUPS or class_id in inlined or en.op == "extern":
             return False
         if en.op == "input":
-            loads = self.bytes(class_id)
-        total = sum(needed.values()) + inlined_cost(flops, loads, self.profile)
+            loads = {class_id: self.bytes(class_id)}
+        total = sum(needed.values()) + inlined_cost(flops, sum(loads.values()), self.profile)
         old = self.inl.get(class_id)
         if old is not None and total >= old.total - 1e-15:
             return False
@@ -161,7 +167,7 @@ class KernelExtractor:
             cost = VIEW_COST  # a view of a materialised tensor
         else:
             extra = extra_passes(en.op, [self.eg.shape[c] for c in en.children], en.attrs) * self.bytes(class_id)
-            cost = kernel_cost(flops, loads + self.bytes(class_id), self.profile, library=group == "library",
+            cost = kernel_cost(flops, sum(loads.values()) + self.bytes(class_id), self.profile, library=group == "library",
                                link=group == "collective", serial_bytes=extra, op=en.op)
         needed = {**needed, class_id: cost}
         return Option(sum(needed.values()), en, needed)
@@ -218,6 +224,16 @@ class KernelExtractor:
         for r in roots:
             used.update(self.mat[r].needed)
         return sum(used.values())
+
+
+def _merged(loads: dict, more: dict, recomputed: bool) -> dict:
+    """A kernel's loads with an inlined operand's: a tensor it reads once however many ops take
+    it, except where the operand computes again what the body already inlines (written out at
+    each read: `x * x + x` chained, each step's loads twice its operand's)."""
+    merged = dict(loads)
+    for c, b in more.items():
+        merged[c] = merged.get(c, 0.0) + b if recomputed else max(merged.get(c, 0.0), b)
+    return merged
 
 
 def extract_kernels(eg: EClassGraph, graph: Graph, profile: DeviceProfile,
