@@ -18,6 +18,7 @@ from . import ops
 from .errors import CodegenError
 from .graph import Node, computed_nodes, const, inline_edges
 from .rows import expand_rows
+from .view_index import broadcast_index, linear_index, view_index
 from .loopir import (STASH, Acc, Affine, Call, Const, Gather, Index, Load, LoopKernel, Param, Reduction, contains,
                      out_of_bounds, substitute)
 
@@ -233,14 +234,7 @@ class _Lowering:
             for d, index in zip(dims, _decompose(var, [domain[d] for d in dims])):
                 self.index[d] = index
 
-    @staticmethod
-    def linear(index, shape) -> Affine:
-        out, stride = Affine(), 1
-        for d in range(len(shape) - 1, -1, -1):
-            if shape[d] > 1:
-                out = out + index[d].scale(stride)
-            stride *= shape[d]
-        return out
+    linear = staticmethod(linear_index)
 
     def operand(self, a: Node, index):
         """How a consumer sees one operand edge."""
@@ -251,7 +245,7 @@ class _Lowering:
         if a.op == "inline":  # a value another kernel stores (sharing.py)
             a = a.args[0]
         elif a.group == "layout":
-            return self.operand(a.args[0], _view_index(a, index))
+            return self.operand(a.args[0], view_index(a, index))
         if id(a) in self.fused:  # a value this kernel computes although another stored it (Kernel.fused)
             return self.compute(a, index)
         if id(a) not in self.buffer_names and not self.probing:
@@ -271,7 +265,7 @@ class _Lowering:
             raise CodegenError(f"{n.op} cannot be computed inside a generated kernel")
         if n.op == "cast" and n.dtype == "bool":  # nonzero is true, in every target
             return Call("ne", (self.operand(n.args[0], index), Const(0.0)), "bool")
-        return Call(n.op, tuple(self.operand(a, _broadcast_index(index, n.shape, a.shape)) for a in n.args),
+        return Call(n.op, tuple(self.operand(a, broadcast_index(index, n.shape, a.shape)) for a in n.args),
                     n.dtype)
 
     def concat(self, n: Node, index):
@@ -371,44 +365,3 @@ def _variables(index: Affine) -> set:
     for term, _ in index.terms:
         out |= {term[1]} if term[0] == "var" else _variables(term[1])
     return out
-
-
-def _broadcast_index(index, out_shape, in_shape):
-    offset = len(out_shape) - len(in_shape)
-    return [Affine() if in_shape[i] == 1 else index[i + offset] for i in range(len(in_shape))]
-
-
-def _view_index(node: Node, index):
-    src, a, r = node.args[0].shape, node.a, len(node.args[0].shape)
-    if node.op == "transpose":
-        out = list(index)
-        d0, d1 = a["dim0"] % r, a["dim1"] % r
-        out[d0], out[d1] = out[d1], out[d0]
-        return out
-    if node.op == "permute":
-        out = [None] * r
-        for i, d in enumerate(a["dims"]):
-            out[d % r] = index[i]
-        return out
-    if node.op == "expand":
-        return _broadcast_index(index, node.shape, src)
-    if node.op == "repeat_interleave":
-        out = list(index)
-        d = a["dim"] % r
-        out[d] = index[d].floordiv(a["repeats"])
-        return out
-    if node.op == "slice":
-        out = list(index)
-        d = a["dim"] % r
-        out[d] = index[d].scale(a["step"]) + Affine.of(a["start"])
-        return out
-    if node.op == "reshape":
-        if 0 in src:  # an empty tensor: nothing is ever read
-            return [Affine() for _ in src]
-        flat = _Lowering.linear(index, node.shape)
-        out, stride = [None] * r, 1
-        for d in range(r - 1, -1, -1):
-            out[d] = flat.floordiv(stride).mod(src[d]) if src[d] > 1 else Affine()
-            stride *= src[d]
-        return out
-    raise CodegenError(f"no index map for {node.op}")
