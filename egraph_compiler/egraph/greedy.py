@@ -125,7 +125,7 @@ class KernelExtractor:
                     return None
                 needed = {**needed, **option.needed}
                 if option.node.op != "const":
-                    loads = {**loads, child: self.bytes(child)}
+                    loads = _merged(loads, {child: self.bytes(child)}, recomputed=False)
         return flops, loads, needed, inlined, elementwise
 
     def _shape_of(self, en: ENode):
