@@ -64,16 +64,16 @@ def lower_kernel(kernel: Kernel, buffer_names: dict[int, str], exact_mean: bool 
         stored = tuple(domain[d] for d in kernel.order)
         lowering = _Lowering(stored, inner_dims, buffer_names, exact_mean, kernel.stored, kernel.fused)
         at = [lowering.index[kernel.order.index(d)] for d in range(len(domain))]
-        value, out_index = lowering.compute(tree, at), lowering.linear(lowering.index, stored)
+        value, out_index = lowering.compute(tree, at), linear_index(lowering.index, stored)
     elif reduce_root:
         lowering = _Lowering(domain, inner_dims, buffer_names, exact_mean, kernel.stored, kernel.fused)
         kept = [lowering.index[d] for d in range(len(domain)) if d not in _dims(tree) or tree.attr("keepdim")]
         value = lowering.compute(tree, kept)
-        out_index = lowering.linear(kept, root.shape)
+        out_index = linear_index(kept, root.shape)
     else:
         lowering = _Lowering(domain, inner_dims, buffer_names, exact_mean, kernel.stored, kernel.fused)
         value = lowering.compute(tree, lowering.index)
-        out_index = lowering.linear(lowering.index, root.shape)
+        out_index = linear_index(lowering.index, root.shape)
     params = [Param(buffer_names[id(n)], n.dtype, "in") for n in kernel.inputs]
     params.append(Param(buffer_names[id(root)], root.dtype, "out"))
     # values stored beside the output (sharing.py), element k at the domain's k-th index, or
@@ -82,9 +82,9 @@ def lower_kernel(kernel: Kernel, buffer_names: dict[int, str], exact_mean: bool 
     at_row = [Affine() if d in inner_dims else i for d, i in enumerate(lowering.index)]
     if any(n.numel not in (root.numel, math.prod(rows)) for n in kernel.extra_outputs):
         raise CodegenError(f"{kernel.name} stores a value of neither its own size nor one per row")
-    extra = [(buffer_names[id(n)], lowering.linear(lowering.index, domain),
+    extra = [(buffer_names[id(n)], linear_index(lowering.index, domain),
               lowering.compute(_reshaped(n, domain), lowering.index), True) if n.numel == root.numel else
-             (buffer_names[id(n)], lowering.linear(at_row, rows), lowering.compute(_reshaped(n, rows), at_row), False)
+             (buffer_names[id(n)], linear_index(at_row, rows), lowering.compute(_reshaped(n, rows), at_row), False)
              for n in kernel.extra_outputs]
     params += [Param(buffer_names[id(n)], n.dtype, "out") for n in kernel.extra_outputs]
     out = LoopKernel(kernel.name, params, lowering.outer, lowering.inner, lowering.reductions,
@@ -234,8 +234,6 @@ class _Lowering:
             for d, index in zip(dims, _decompose(var, [domain[d] for d in dims])):
                 self.index[d] = index
 
-    linear = staticmethod(linear_index)
-
     def operand(self, a: Node, index):
         """How a consumer sees one operand edge."""
         if a.op == "const":
@@ -250,7 +248,7 @@ class _Lowering:
             return self.compute(a, index)
         if id(a) not in self.buffer_names and not self.probing:
             raise CodegenError(f"{a.op} is read but never materialised")
-        return Load(self.buffer_names.get(id(a), "?"), self.linear(index, a.shape))
+        return Load(self.buffer_names.get(id(a), "?"), linear_index(index, a.shape))
 
     def compute(self, n: Node, index):
         if n.op in ("input", "const") or n.group == "layout":

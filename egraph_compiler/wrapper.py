@@ -83,7 +83,7 @@ def straight_line(executable, loops_by_name: dict, nodes: dict, release) -> Wrap
                 operands = None if None in operands else operands
             else:
                 operands = direct_operands(kernel.output, local) if direct_linear(kernel) else None
-            if not (contiguous or (operands and not attention)):  # (torch's strides: no fixed view of it)
+            if not contiguous and (operands is None or attention):  # (torch's strides, not F.linear's: no fixed view)
                 dense.discard(id(kernel.output))
             if operands is None:
                 names[f"_{kernel.name}"] = executable.torch_step(kernel, contiguous)
