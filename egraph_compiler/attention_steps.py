@@ -67,8 +67,9 @@ class AttentionSteps:
                 prepared = self.memo.get(mask_key)
                 if prepared is None:
                     q, keys = args[1 if grad else 0], args[2 if grad else 1].shape[2]
-                    prepared = self.memo[mask_key] = (None, None, True) if masks.causal(
-                        args[-1], q.shape[2], keys) else (*flash.prepare(args[-1], q, keys), False)
+                    kept = masks.kept(args[-1], q.shape[2], keys)
+                    prepared = self.memo[mask_key] = (None, None, kept == masks.CAUSAL) if kept else (
+                        *flash.prepare(args[-1], q, keys), False)
                 mask, dead, past = prepared[0], prepared[1], causal or prepared[2]
             if grad:
                 got = flash.backward(*args[:6], scale, past, mask)
@@ -81,9 +82,11 @@ class AttentionSteps:
     @staticmethod
     def attention_direct(node: Node):
         """A CPU `sdpa` or `sdpa_mask` on the operands the wrapper passes (wrapper.direct_attention):
-        q, k, v (and the mask) as arguments, no environment.  Whether the mask is the program's own
-        causal one (masks.py) is asked again only of another mask tensor than the last: the pair
-        (mask, answer) is swapped whole, so that a run in another thread reads a consistent one.
+        q, k, v (and the mask) as arguments, no environment.  What the mask keeps where it is the
+        program's own (masks.kept: every key, or the causal past) is asked again only of another
+        mask tensor than the last: the pair (mask, answer) is swapped whole, so that a run in
+        another thread reads a consistent one.  A bool mask is given in its additive form
+        (masks.additive), which torch's flash kernel takes as it is.
         LLaMA's attention step at --size test took 44 us a call through the environment, the
         flash kernel and its NaN check 25."""
         shapes = [a.shape for a in node.args]
@@ -93,29 +96,35 @@ class AttentionSteps:
             return plan_shaped(node, out)
         if node.op == "sdpa":
             return lambda q, k, v: checked(masked([q, k, v]))
-        causal = library.attention(shapes[:3], {**node.a, "causal": True}, False)
+        unmasked = {masks.CAUSAL: library.attention(shapes[:3], {**node.a, "causal": True}, False),
+                    masks.EVERY: library.attention(shapes[:3], node.a, False)}
         queries, keys = shapes[0][-2], shapes[1][-2]
-        last = [(lambda: None, False)]  # (the mask held weakly: a caller's tensor is not kept alive)
+        last = [(lambda: None, None)]  # (the mask held weakly: a caller's tensor is not kept alive)
 
         def run(q, k, v, mask):
             seen = last[0]
             if seen[0]() is not mask:
-                seen = last[0] = (weakref.ref(mask), masks.causal(mask, queries, keys))
-            return checked(causal([q, k, v]) if seen[1] else masked([q, k, v, mask]))
+                seen = last[0] = (weakref.ref(mask), masks.kept(mask, queries, keys))
+            if seen[1]:
+                return checked(unmasked[seen[1]]([q, k, v]))
+            return checked(masked([q, k, v, masks.additive(mask, q.dtype)]))
         return run
 
-    def _causal(self, node: Node, mask) -> bool:
-        """Whether this run's mask of `node` is the program's own causal mask (masks.py), once per run."""
-        key = ("causal", id(node.args[3]))
-        known = self.memo.get(key)
-        if known is None:
-            known = self.memo[key] = masks.causal(mask, node.args[0].shape[-2], node.args[1].shape[-2])
-        return known
+    def _kept(self, node: Node, mask) -> str | None:
+        """What this run's mask of `node` keeps where it is the program's own constant (masks.kept:
+        every key, or the causal past), once per run."""
+        key = ("kept", id(node.args[3]))
+        if key not in self.memo:
+            self.memo[key] = masks.kept(mask, node.args[0].shape[-2], node.args[1].shape[-2])
+        return self.memo[key]
 
     def _causal_or(self, node: Node, masked):
-        """sdpa over (q, k, v, mask): causal, unmasked, where the mask is the program's causal one."""
-        causal = library.attention([a.shape for a in node.args[:3]], {**node.a, "causal": True}, self.device == "cuda")
-        return lambda args: causal(args[:3]) if self._causal(node, args[3]) else masked(args)
+        """sdpa over (q, k, v, mask): causal where the mask is the program's causal one, without it
+        where it keeps every key."""
+        shapes, cuda = [a.shape for a in node.args[:3]], self.device == "cuda"
+        unmasked = {masks.CAUSAL: library.attention(shapes, {**node.a, "causal": True}, cuda),
+                    masks.EVERY: library.attention(shapes, node.a, cuda)}
+        return lambda args: unmasked[kept](args[:3]) if (kept := self._kept(node, args[3])) else masked(args)
 
     def _masked_attention(self, node: Node):
         """sdpa with a mask on CUDA: the mask converted once per run for the layers that share it
@@ -133,11 +142,13 @@ class AttentionSteps:
         prepared = library.attention([q_shape, k_shape, v_shape, m_shape], node.a, cuda=True)
         scale, nan = node.attr("scale"), node.op == "softmax_attention"
         causal = library.attention([q_shape, k_shape, v_shape], {**node.a, "causal": True}, cuda=True)
+        unmasked = library.attention([q_shape, k_shape, v_shape], node.a, cuda=True)
 
         def run(args):
             memo = self.memo
-            if self._causal(node, args[3]):
-                return causal(args[:3])
+            kept = self._kept(node, args[3])
+            if kept:
+                return (causal if kept == masks.CAUSAL else unmasked)(args[:3])
             mask = memo.get(key)
             if mask is None:
                 mask = memo[key] = library.fused_kernel_mask(args[3], keys, args[0].dtype)

@@ -1,4 +1,5 @@
-"""Causal masks the program itself made: attention's fused kernels run them as `is_causal`.
+"""Masks the program itself made: attention's fused kernels run a causal one as `is_causal`, and
+one that keeps every key as no mask.
 
 `transformers` builds a decoder's attention mask from positions alone (`arange` and
 comparisons), and under torch.compile hands sdpa that tensor rather than `is_causal`
@@ -6,7 +7,9 @@ comparisons), and under torch.compile hands sdpa that tensor rather than `is_cau
 computes such a mask once, at compile time, and notes it here (`note`).  A fused
 kernel given a noted mask that keeps exactly the keys at or before each query
 (`causal`) runs causal instead: no mask to convert per run, and the blocks above
-the diagonal skipped (cuDNN's and flash's kernels, torch's CPU flash kernel).
+the diagonal skipped (cuDNN's and flash's kernels, torch's CPU flash kernel).  An encoder's
+mask that keeps every key (`transformers` 5.17 hands ViT and BERT an all-True one when the
+caller gives none) is dropped (`kept`: EVERY).
 
 Only the program's own constants are trusted, never a tensor of the caller's (its
 values could change under a recorded CUDA graph).  A training backward receives
@@ -29,7 +32,9 @@ LOWEST = -65504.0
 # storage address -> the constant, weakly: once its program lets it go, the address may become
 # another tensor's, and a dead reference trusts nothing there
 _NOTED: OrderedDict[int, weakref.ref] = OrderedDict()
-_SEEN: dict[tuple, bool] = {}  # (address, shape, strides, offset, dtype of a view) -> causal
+_SEEN: dict[tuple, str | None] = {}  # (address, shape, strides, offset, dtype of a view) -> what it keeps
+# (id of a bool mask, dtype) -> (the mask, weakly; its version; its additive form): `additive`
+_ADDITIVE: dict[tuple, tuple] = {}
 
 
 def note(value: torch.Tensor) -> None:
@@ -50,28 +55,64 @@ def _forget(address: int) -> None:
         _SEEN.pop(key, None)
 
 
+CAUSAL, EVERY = "causal", "every key"  # what `kept` finds a noted mask keeps
+
+
 def causal(mask: torch.Tensor | None, queries: int, keys: int) -> bool:
-    """Whether `mask` is a view of a noted constant that keeps, for each of `queries` rows, exactly the
-    keys at or before it (`queries == keys`).  Decided once per view; never while a CUDA graph records
-    (deciding reads the values: the first, unrecorded call decides)."""
-    if mask is None or queries != keys or mask.dim() < 2 or tuple(mask.shape[-2:]) != (queries, keys):
-        return False
+    return kept(mask, queries, keys) == CAUSAL
+
+
+def kept(mask: torch.Tensor | None, queries: int, keys: int) -> str | None:
+    """What a view of a noted constant keeps for `queries` rows of `keys` keys: EVERY key of every
+    row (the mask changes no score: the kernels run without it), CAUSAL (exactly the keys at or
+    before each row, `queries == keys`), or None (something else, or not a noted constant).
+    Decided once per view; never while a CUDA graph records (deciding reads the values: the
+    first, unrecorded call decides)."""
+    if mask is None or mask.dim() < 2 or tuple(mask.shape[-2:]) != (queries, keys):
+        return None
     address = mask.untyped_storage().data_ptr()
     noted = _NOTED.get(address)
     if noted is None or noted() is None:
-        return False
+        return None
     key = (address, tuple(mask.shape), mask.stride(), mask.storage_offset(), mask.dtype)
-    known = _SEEN.get(key)
-    if known is None:
+    if key not in _SEEN:
         if mask.is_cuda and torch.cuda.is_current_stream_capturing():
-            return False
-        known = _SEEN[key] = _keeps_the_past(mask)
-    return known
+            return None
+        _SEEN[key] = EVERY if _keeps_every_key(mask) else CAUSAL if _keeps_the_past(mask) else None
+    return _SEEN.get(key)
+
+
+def _keeps_every_key(mask: torch.Tensor) -> bool:
+    return bool(mask.all()) if mask.dtype == torch.bool else bool((mask == 0).all())
 
 
 def _keeps_the_past(mask: torch.Tensor) -> bool:
+    if mask.shape[-1] != mask.shape[-2]:
+        return False
     keep = torch.ones(mask.shape[-2:], dtype=torch.bool, device=mask.device).tril()
     if mask.dtype == torch.bool:
         return bool((mask == keep).all())
     kept_zero = bool((mask.masked_fill(~keep, 0) == 0).all())
     return kept_zero and bool((mask.masked_fill(keep, float("-inf")) <= LOWEST).all())
+
+
+def additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool mask as the scores' additive one in `dtype` (0 where kept, -inf where not), as torch's
+    sdpa converts it before choosing a kernel (so every kernel sees the same mask); made once per
+    mask tensor and version (a caller's in-place change makes it again), a float mask as it is.
+    torch's CPU flash kernel takes only the additive form: a bool mask went through sdpa, which
+    converted it per call and layer, and the NaN check read q and k (ViT and BERT with
+    `transformers` 5.17, which hands an all-True mask: 135 and 88 us of a 4.2 ms ViT call on 16
+    cores)."""
+    if mask.dtype != torch.bool:
+        return mask
+    key = (id(mask), dtype)
+    got = _ADDITIVE.get(key)
+    if got is not None and got[0]() is mask and got[1] == mask._version:
+        return got[2]
+    zero = torch.zeros((), dtype=dtype, device=mask.device)
+    additive = torch.where(mask, zero, torch.full((), float("-inf"), dtype=dtype, device=mask.device))
+    if len(_ADDITIVE) >= LIMIT:
+        _ADDITIVE.clear()
+    _ADDITIVE[key] = (weakref.ref(mask), mask._version, additive)
+    return additive

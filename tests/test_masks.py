@@ -1,6 +1,7 @@
-"""Causal masks the program makes itself (masks.py): attention runs them as `is_causal`,
-in inference and in training's forward and backward; any other mask, and any mask
-the caller passes in, runs as a mask.  Every case is checked against eager."""
+"""Masks the program makes itself (masks.py): attention runs a causal one as `is_causal`, and one
+that keeps every key without a mask, in inference and in training's forward and backward; any
+other mask, and any mask the caller passes in, runs as a mask.  Every case is checked against
+eager."""
 import copy
 import weakref
 
@@ -22,7 +23,9 @@ def _positions_mask(s: int, kind: str, device="cpu", dtype=torch.float32):
     if kind == "shifted":  # one key short of causal on the diagonal
         keep = i[None, :] < i[:, None]
         keep[0, 0] = True
-    if kind == "bool" or kind in ("window", "shifted"):
+    if kind in ("every", "zeros"):  # keeps every key (transformers 5.17 hands an encoder such a mask)
+        keep = (i[None, :] <= i[:, None]) | (i[None, :] > i[:, None])
+    if kind in ("bool", "every") or kind in ("window", "shifted"):
         return keep[None, None]
     fill = torch.finfo(dtype).min if kind == "lowest" else float("-inf")
     return torch.zeros(s, s, device=device, dtype=dtype).masked_fill(~keep, fill)[None, None]
@@ -91,7 +94,50 @@ def test_a_causal_mask_the_caller_passes_stays_a_mask(calls):
     assert calls and all(masked and not causal for _, causal, masked in calls), calls
 
 
-@pytest.mark.parametrize("kind, causal", [("bool", True), ("lowest", True), ("window", False)])
+@pytest.mark.parametrize("kind", ["every", "zeros"])
+def test_a_mask_of_the_programs_that_keeps_every_key_is_dropped(kind, calls):
+    model = _Decoder(kind).eval()
+    x = torch.randn(2, 9, 32)
+    with torch.no_grad():
+        compiled = egc.compile(model, [x])
+        for _ in range(2):
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-5)
+    assert calls and all(c == ("sdpa", False, False) for c in calls), calls
+
+
+@pytest.mark.parametrize("kind", ["every", "window"])
+def test_a_callers_bool_mask_reaches_the_flash_kernel_in_its_additive_form(kind, monkeypatch):
+    """As torch's sdpa converts it (0 where kept, -inf elsewhere), once per mask tensor and version: a
+    caller's mask is never trusted to keep everything, and its in-place change is seen."""
+    flashed = []
+    made = library._FLASH_CPU
+    monkeypatch.setattr(library, "_FLASH_CPU", lambda *a, **k: (flashed.append(k["attn_mask"]), made(*a, **k))[1])
+
+    def fn(q, k, v, mask):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    q, k, v = (torch.randn(2, 4, 9, 8) for _ in range(3))
+    mask = _positions_mask(9, kind).expand(2, 1, 9, 9).clone()
+    with torch.no_grad():
+        compiled = egc.compile(fn, [q, k, v, mask])
+        torch.testing.assert_close(compiled(q, k, v, mask), fn(q, k, v, mask))
+        mask[0, 0, 3] = False  # a row of one batch masked whole, in place
+        mask[1, 0, 5, :4] = False
+        torch.testing.assert_close(compiled(q, k, v, mask), fn(q, k, v, mask), equal_nan=True)
+    assert len(flashed) == 2 and all(m.dtype == q.dtype and m.shape == mask.shape for m in flashed), flashed
+    assert torch.equal(flashed[1], torch.zeros(mask.shape).masked_fill(~mask, float("-inf")))
+
+
+def test_a_noted_constant_is_known_to_keep_every_key():
+    every, causal = _positions_mask(5, "every"), _positions_mask(5, "bool")
+    zeros = torch.zeros(1, 1, 5, 5)
+    assert masks.kept(every, 5, 5) is None  # never folded: a caller's tensor
+    for value in (every, causal, zeros):
+        masks.note(value)
+    assert masks.kept(every, 5, 5) == masks.kept(zeros.expand(2, 3, 5, 5), 5, 5) == masks.EVERY
+    assert masks.kept(causal, 5, 5) == masks.CAUSAL and masks.kept(every, 5, 4) is None
+
+
+@pytest.mark.parametrize("kind, causal", [("bool", True), ("lowest", True), ("window", False), ("every", False)])
 def test_training_runs_the_forwards_causal_mask_as_causal_both_ways(kind, causal, calls):
     """The backward gets the forward's folded mask as a saved activation, the very constant: causal too."""
     torch.manual_seed(0)
@@ -106,7 +152,8 @@ def test_training_runs_the_forwards_causal_mask_as_causal_both_ways(kind, causal
         torch.testing.assert_close(got.grad, want.grad, rtol=1e-4, atol=1e-5, msg=name)
     fused = [c for c in calls if c[0] in ("forward", "backward")]
     assert {c[0] for c in fused} == {"forward", "backward"}, calls
-    assert all(c[1:] == (causal, not causal) for c in fused), fused
+    masked = kind == "window"  # (causal or every key: no mask)
+    assert all(c[1:] == (causal, masked) for c in fused), fused
 
 
 def test_only_masks_of_the_programs_own_are_noted():
