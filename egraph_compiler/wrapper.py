@@ -3,9 +3,11 @@ one line per kernel launch, allocation and release, made once per program from i
 (runtime.Executable), so that no call interprets the plan."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
+from torch._prims_common import make_contiguous_strides_for
 
 from . import ops
 from .graph import view_source
@@ -30,7 +32,7 @@ def straight_line(executable, loops_by_name: dict, nodes: dict, release) -> Wrap
     names: dict = {}
     allocations = allocated(plan, loops_by_name, nodes, target)
     reuse = reused_buffers(plan, allocations, release)
-    handed = set(reuse.values())  # (released by the value that takes its buffer over)
+    handed = {old for old, _ in reuse.values()}  # (released by the value that takes its buffer over)
     lines = ["def run(env):"]
     dense = set(executable.steps.dense)  # values held contiguous, of their node's shape
     generated_reads = {id(i) for k in plan.kernels if k.kind == "generated" for i in k.inputs}
@@ -42,8 +44,11 @@ def straight_line(executable, loops_by_name: dict, nodes: dict, release) -> Wrap
             local[id(node)] = name
             if not _ordered(kernel, node):  # (a buffer stored in another order: orders.py)
                 dense.add(id(node))
-            if name in reuse:
-                lines.append(f"    {name} = {reuse[name]}; del {reuse[name]}  # (its buffer, free now)")
+            if name in reuse and reuse[name][1] is None:
+                lines.append(f"    {name} = {reuse[name][0]}; del {reuse[name][0]}  # (its buffer, free now)")
+            elif name in reuse:  # (as many elements in another shape or order: the buffer viewed so)
+                names[f"_as_{name}"] = _viewed(*reuse[name][1])
+                lines.append(f"    {name} = _as_{name}({reuse[name][0]}); del {reuse[name][0]}  # (its buffer, free now)")
             else:
                 names[f"_empty_{name}"] = empty(node.shape, torch_dtype(node.dtype), target.device,
                                                 _stride(kernel, node))
@@ -214,30 +219,41 @@ def allocated(plan, loops_by_name: dict, nodes: dict, target) -> list[list[tuple
     return out
 
 
-def reused_buffers(plan, allocations: list, release) -> dict[str, str]:
-    """Which allocation takes over the buffer of a value released before it (its name -> the
-    released buffer's name), as Inductor's wrapper reuses buffers: a buffer the wrapper
-    allocated, of the same shape and dtype, that no ATen fallback reads (a fallback may hand out
-    a view of what it reads, which would see the next value's writes; a library call's result
-    is its own).  On a CPU every fresh buffer is a malloc whose pages, past glibc's trim
-    threshold, fault in again on each call."""
+def reused_buffers(plan, allocations: list, release) -> dict[str, tuple]:
+    """Which allocation takes over the buffer of a value released before it (its name -> (the
+    released buffer's name, None where the layouts are the same, else the new (shape, strides)
+    to view it with)), as Inductor's wrapper reuses buffers: a buffer the wrapper allocated, of
+    as many elements of the same dtype (every buffer it allocates is dense: any shape and
+    order of that many elements covers it exactly), that no ATen fallback reads (a fallback may
+    hand out a view of what it reads, which would see the next value's writes; a library call's
+    result is its own).  On a CPU every fresh buffer is a malloc whose pages, past glibc's trim
+    threshold, fault in again on each call: a LLaMA training step at --size cpu took ~2,500
+    page faults (2 cores), 1,000 of them in each of the two SwiGLU backward loop nests, whose
+    [512, 1024] outputs found only [4, 128, 1024] buffers free while buffers were reused by
+    shape alone."""
     torch_reads = {id(view_source(i)) for k in plan.kernels if k.kind != "generated"
                    and (k.kind, k.output.group) != ("library", "library") for i in k.inputs}
     ours: dict[int, tuple] = {}  # a value in a buffer the wrapper allocated -> (the buffer's name, its layout)
-    free: dict[tuple, list[str]] = {}  # (shape, dtype, strides) -> released buffers
-    reuse: dict[str, str] = {}
+    free: dict[tuple, list[tuple]] = {}  # (elements, dtype) -> released buffers (name, layout)
+    reuse: dict[str, tuple] = {}
     for step, kernel in enumerate(plan.kernels):
         for name, node in allocations[step]:
-            layout = (node.shape, torch_dtype(node.dtype), _stride(kernel, node))
-            ours[id(node)] = (name, layout)
-            pool = free.get(layout)
+            layout = (tuple(node.shape), _stride(kernel, node) or tuple(make_contiguous_strides_for(node.shape)))
+            size = (math.prod(node.shape), torch_dtype(node.dtype))
+            ours[id(node)] = (name, layout, size)
+            pool = free.get(size)
             if pool:
-                reuse[name] = pool.pop()
+                old, old_layout = pool.pop()
+                reuse[name] = (old, None if old_layout == layout else layout)
         for n in release[step]:
             if id(n) in ours and id(n) not in torch_reads:
-                name, layout = ours[id(n)]
-                free.setdefault(layout, []).append(name)
+                name, layout, size = ours[id(n)]
+                free.setdefault(size, []).append((name, layout))
     return reuse
+
+
+def _viewed(shape: tuple, stride: tuple):
+    return lambda buffer: reinterpret(buffer, shape, stride, 0)
 
 
 def exec_wrapper(source: str, names: dict):
