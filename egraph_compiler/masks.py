@@ -106,13 +106,19 @@ def additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     cores)."""
     if mask.dtype != torch.bool:
         return mask
+    if mask.is_inference():  # (made under inference_mode: no version counter to see a change by)
+        return _additive(mask, dtype)
     key = (id(mask), dtype)
     got = _ADDITIVE.get(key)
     if got is not None and got[0]() is mask and got[1] == mask._version:
         return got[2]
-    zero = torch.zeros((), dtype=dtype, device=mask.device)
-    additive = torch.where(mask, zero, torch.full((), float("-inf"), dtype=dtype, device=mask.device))
+    additive = _additive(mask, dtype)
     if len(_ADDITIVE) >= LIMIT:
         _ADDITIVE.clear()
     _ADDITIVE[key] = (weakref.ref(mask), mask._version, additive)
     return additive
+
+
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    zero = torch.zeros((), dtype=dtype, device=mask.device)
+    return torch.where(mask, zero, torch.full((), float("-inf"), dtype=dtype, device=mask.device))

@@ -127,6 +127,20 @@ def test_a_callers_bool_mask_reaches_the_flash_kernel_in_its_additive_form(kind,
     assert torch.equal(flashed[1], torch.zeros(mask.shape).masked_fill(~mask, float("-inf")))
 
 
+def test_a_callers_bool_mask_made_under_inference_mode_is_converted_every_call():
+    """An inference tensor keeps no version counter: its in-place change could not be seen."""
+    def fn(q, k, v, mask):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    with torch.inference_mode():
+        q, k, v = (torch.randn(2, 4, 9, 8) for _ in range(3))
+        mask = _positions_mask(9, "window").expand(2, 1, 9, 9).clone()
+        compiled = egc.compile(fn, [q, k, v, mask])
+        torch.testing.assert_close(compiled(q, k, v, mask), fn(q, k, v, mask))
+        mask[1, 0, 5, :4] = False
+        mask[0, 0, 2] = True
+        torch.testing.assert_close(compiled(q, k, v, mask), fn(q, k, v, mask))
+
+
 def test_a_noted_constant_is_known_to_keep_every_key():
     every, causal = _positions_mask(5, "every"), _positions_mask(5, "bool")
     zeros = torch.zeros(1, 1, 5, 5)
