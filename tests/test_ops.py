@@ -423,8 +423,8 @@ def test_the_cuda_step_of_a_masked_grouped_attention_matches_eager():
     for _ in range(2):
         steps.memo = {}
         torch.testing.assert_close(call(env), fn(q, k, v, mask), atol=1e-5, rtol=1e-5)
-    made = {key: v for key, v in steps.memo.items() if key[0] != "causal"}  # (a caller's mask: never causal)
-    assert len(made) == 2 and not steps.memo[("causal", id(node.args[3]))]  # the additive mask and its
+    made = {key: v for key, v in steps.memo.items() if key[0] != "kept"}  # (a caller's mask: never trusted)
+    assert len(made) == 2 and steps.memo[("kept", id(node.args[3]))] is None  # the additive mask and its
     # grouped form, each made once per run
 
 
