@@ -12,12 +12,15 @@ program run for each: steps.py shares it).  The written-out form they replace sa
 the probabilities and ran softmax's backward over them: on the H200 a GPT-2 step's
 attention was a fifth of its device time that way.
 
-Grouped-query attention (k and v with fewer heads) runs on k and v repeated to q's
-heads, their gradients summed back over each group.  Outputs and gradients are laid
+Grouped-query attention (k and v with fewer heads) runs on k and v as they are where
+torch's CPU flash kernels take grouped heads both ways (`cpu_groups`, torch 2.13's do),
+else on k and v repeated to q's heads, their gradients summed back over each group.  Outputs and gradients are laid
 out as torch's kernels give them: [B, S, H, D] in memory (`_canonical`), which the
 fake implementation states, so a saved output is never copied to another layout.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -83,6 +86,37 @@ def _repeat(k: torch.Tensor, groups: int) -> torch.Tensor:
     return k if groups == 1 else k.repeat_interleave(groups, dim=1)
 
 
+@functools.cache
+def cpu_groups() -> bool:
+    """Whether this torch's CPU flash kernels, forward and backward, take k and v with fewer heads
+    as they are (each serving as many consecutive query heads), giving what they give on k and v
+    repeated (dk and dv summed over each group): asked once, of small operands, causal and
+    masked.  Then a LLaMA training step repeats no k or v (four `repeat_interleave` a step at
+    --size cpu, and the sums of dk and dv over groups)."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, dout = (torch.randn(1, h, 5, 8, generator=gen) for h in (4, 2, 2, 4))
+    mask = torch.zeros(1, 4, 5, 5).masked_fill_(torch.rand(1, 1, 5, 5, generator=gen) > 0.6, float("-inf"))
+    mask[..., 0] = 0
+    try:
+        for causal, m in ((True, None), (False, mask)):
+            grouped = forward(q, k, v, 0.5, causal, m, grouped=True)
+            repeated = forward(q, k, v, 0.5, causal, m, grouped=False)
+            grads = [backward(dout, q, k, v, repeated[0], repeated[1], 0.5, causal, m, grouped=g) for g in (True, False)]
+            if not all(a.shape == b.shape and torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+                       for a, b in zip(grouped + grads[0], repeated + grads[1])):
+                return False
+    except RuntimeError:  # (a torch whose kernels check that the heads match)
+        return False
+    return True
+
+
+def _grouped(backend: str, q, k, grouped: bool | None) -> bool:
+    """Whether k and v go to the kernel with fewer heads than q, as they are."""
+    if backend != "cpu" or q.shape[1] == k.shape[1]:
+        return False
+    return cpu_groups() if grouped is None else grouped
+
+
 def _dummy(shape, dtype, device) -> torch.Tensor:
     """The random-state tensors the kernels' backward takes (read only with dropout)."""
     return torch.zeros(shape, dtype=dtype, device=device)
@@ -106,14 +140,17 @@ def prepare(mask: torch.Tensor | None, q: torch.Tensor, keys: int):
     return mask, dead
 
 
-def forward(q, k, v, scale: float, causal: bool, mask=None, dead=None) -> tuple[torch.Tensor, torch.Tensor]:
+def forward(q, k, v, scale: float, causal: bool, mask=None, dead=None,
+            grouped: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(softmax(q k^T * scale + mask [causal]) v, logsumexp of each row's scaled scores as float32);
     `mask`, `dead`: `prepare`'s.  A row with every key masked gives 0 (as training's written-out
-    form, `_safe_softmax`) and a logsumexp of +inf (its backward then weighs every key by 0)."""
-    groups = q.shape[1] // k.shape[1]
+    form, `_safe_softmax`) and a logsumexp of +inf (its backward then weighs every key by 0).
+    `grouped`: k and v handed to the CPU kernel with their own heads (None: where `cpu_groups`)."""
     q, k, v = (_dense_rows(x) for x in (q, k, v))
-    k, v = _repeat(k, groups), _repeat(v, groups)
     backend = _backend(q, mask is not None)
+    if not _grouped(backend, q, k, grouped):
+        groups = q.shape[1] // k.shape[1]
+        k, v = _repeat(k, groups), _repeat(v, groups)
     if backend == "cpu":
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu.default(q, k, v, 0.0, causal, attn_mask=mask,
                                                                             scale=scale)
@@ -130,12 +167,14 @@ def forward(q, k, v, scale: float, causal: bool, mask=None, dead=None) -> tuple[
     return _canonical(out), lse.contiguous()
 
 
-def backward(dout, q, k, v, out, lse, scale: float, causal: bool, mask=None) -> tuple[torch.Tensor, ...]:
-    """Gradients of q, k and v (k's and v's summed over the query heads each serves)."""
-    groups = q.shape[1] // k.shape[1]
+def backward(dout, q, k, v, out, lse, scale: float, causal: bool, mask=None,
+             grouped: bool | None = None) -> tuple[torch.Tensor, ...]:
+    """Gradients of q, k and v (k's and v's summed over the query heads each serves); `grouped`
+    as `forward`'s."""
     q, k, v = (_dense_rows(x) for x in (q, k, v))
-    kr, vr = _repeat(k, groups), _repeat(v, groups)
     backend, dev = _backend(q, mask is not None), q.device
+    groups = 1 if _grouped(backend, q, k, grouped) else q.shape[1] // k.shape[1]
+    kr, vr = _repeat(k, groups), _repeat(v, groups)
     dout = _canonical(dout)  # (the output's own layout: cuDNN reads the two alike)
     if backend == "cpu":
         grads = aten._scaled_dot_product_flash_attention_for_cpu_backward.default(

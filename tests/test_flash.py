@@ -154,9 +154,11 @@ def test_training_runs_one_forward_and_one_backward_call_per_layer(target, case,
     assert not [n for n in forward.graph.outputs if n.shape[-2:] == (12, 12) and n.op != "input"]
     # a training step: each of the two calls ran once (the nodes of one call share it), and k and
     # v repeated per head (copies) were made once each per call (flash.py repeats grouped heads
-    # for torch's kernels); written out, once each in all: not again for the call's sibling
+    # for torch's kernels that do not take them); written out, once each in all: not again for the call's sibling
     # results nor for the activations saved for backward (six copies a layer before)
     calls.update(forward=0, backward=0)
+    # (torch's CPU kernels that take grouped heads as they are, flash.cpu_groups: no copies at all)
+    grouped = 0 if device == "cpu" and flash.cpu_groups() else 4
     repeats = []
 
     def repeat_interleave(self, *a, _f=torch.Tensor.repeat_interleave, **k):
@@ -165,7 +167,29 @@ def test_training_runs_one_forward_and_one_backward_call_per_layer(target, case,
     monkeypatch.setattr(torch.Tensor, "repeat_interleave", repeat_interleave)
     compiled(x, mask, case == "causal").sum().backward()
     assert calls == {"forward": 1, "backward": 1}, calls
-    assert len(repeats) == {"causal": 0, "bool mask, grouped heads": 4}.get(case, 2), repeats
+    assert len(repeats) == {"causal": 0, "bool mask, grouped heads": grouped}.get(case, 2), repeats
+
+
+@pytest.mark.parametrize("groups", [2, 4])
+@pytest.mark.parametrize("kind", ["causal", "a dead row", "padding float"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_heads_given_to_the_cpu_kernels_as_they_are_match_repeated_ones(groups, kind, dtype):
+    """flash.cpu_groups: torch's CPU flash kernels given k and v with fewer heads give what they give
+    on k and v repeated, dk and dv summed over each group (bitwise or within rounding)."""
+    if not flash.cpu_groups():
+        pytest.skip("this torch's CPU flash kernels do not take grouped heads")
+    torch.manual_seed(groups)
+    q, dout = (torch.randn(2, 4, 9, 8, dtype=dtype) for _ in range(2))
+    k, v = (torch.randn(2, 4 // groups, 9, 8, dtype=dtype) for _ in range(2))
+    mask, dead = flash.prepare(None if kind == "causal" else _mask(kind, 2, 9), q, 9)
+    causal = kind == "causal"
+    got = flash.forward(q, k, v, 0.4, causal, mask, dead, grouped=True)
+    want = flash.forward(q, k, v, 0.4, causal, mask, dead, grouped=False)
+    grads = [flash.backward(dout, q, k, v, want[0], want[1], 0.4, causal, mask, grouped=g) for g in (True, False)]
+    tolerance = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-4)
+    for a, b in zip(got + grads[0], want + grads[1]):
+        assert a.shape == b.shape and a.stride() == b.stride()
+        torch.testing.assert_close(a, b, **tolerance)
 
 
 def test_a_learned_attention_bias_gets_its_gradient():
