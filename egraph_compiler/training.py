@@ -14,6 +14,7 @@ kernels take it, and is written out (softmax(q k^T s) v) elsewhere.
 """
 from __future__ import annotations
 
+import operator
 import warnings
 
 import torch
@@ -78,10 +79,98 @@ _SDPA = torch.nn.functional.scaled_dot_product_attention
 _SDPA_TARGETS = {_SDPA, torch._C._nn.scaled_dot_product_attention}
 
 
+def _shape(node) -> tuple | None:
+    value = node.meta.get("example_value") if isinstance(node, torch.fx.Node) else None
+    if not isinstance(value, torch.Tensor) or not all(isinstance(d, int) for d in value.shape):
+        return None
+    return tuple(value.shape)
+
+
+def _unrepeated(node) -> tuple[torch.fx.Node, int, list] | None:
+    """(x, g, the chain's nodes) where `node` is x [B, H, S, D] with each head repeated g times
+    in place (transformers' `repeat_kv`: x[:, :, None].expand(B, H, g, S, D).reshape(B, H * g, S, D),
+    or `x.repeat_interleave(g, dim=1)`), read from the shapes Dynamo recorded; else None."""
+    out = _shape(node)
+    if out is None or len(out) != 4 or node.op not in ("call_method", "call_function"):
+        return None
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    if name == "repeat_interleave":
+        x, g = node.args[0], node.args[1] if len(node.args) > 1 else node.kwargs.get("repeats")
+        dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
+        if isinstance(g, int) and g > 1 and dim in (1, -3) and _shape(x) == (out[0], out[1] // g, *out[2:]):
+            return x, g, [node]
+        return None
+    if name not in ("reshape", "view") or not node.args:
+        return None
+    expanded = node.args[0]
+    wide = _shape(expanded)
+    if (wide is None or len(wide) != 5 or expanded.op != "call_method" or expanded.target != "expand"
+            or out != (wide[0], wide[1] * wide[2], *wide[3:])):
+        return None
+    single = expanded.args[0]
+    if not isinstance(single, torch.fx.Node) or _shape(single) != (*wide[:2], 1, *wide[3:]):
+        return None
+    if single.op == "call_function" and single.target is operator.getitem:
+        x, index = single.args
+        if not (isinstance(index, tuple) and index.count(None) == 1
+                and all(i is None or i is Ellipsis or i == slice(None) for i in index)):
+            return None
+    elif (single.op == "call_method" and single.target == "unsqueeze") or single.target is torch.unsqueeze:
+        x = single.args[0]
+    else:
+        return None
+    if _shape(x) != (*wide[:2], *wide[3:]) or wide[2] < 2:
+        return None
+    return x, wide[2], [node, expanded, single]
+
+
+def _takes_groups(q) -> bool:
+    """Whether the fused kernels for q's device take k and v with fewer heads as they are (on CUDA,
+    flash.py repeats them per call, forward and backward: not measured against one saved repeat)."""
+    value = q.meta.get("example_value") if isinstance(q, torch.fx.Node) else None
+    return isinstance(value, torch.Tensor) and value.device.type == "cpu" and flash.cpu_groups()
+
+
+def _grouped_kv(gm: torch.fx.GraphModule) -> None:
+    """Attention on keys and values repeated per query head (`repeat_kv`) becomes attention with
+    `enable_gqa=True` on the unrepeated ones, edited in place, where the fused kernels take them
+    so (`_takes_groups`): they then read (and backward saves) k and v once, and their gradients need no sum over each group.  Inference
+    gets the same from the rule `attention_grouped_kv_masked`; in training the attention is a
+    library call before autograd (`_sdpa_math`), which no rule of the e-graph reaches."""
+    changed = False
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in _SDPA_TARGETS:
+            continue
+        args = list(node.args) + [None] * (3 - len(node.args))
+        k, v = node.kwargs.get("key", args[1]), node.kwargs.get("value", args[2])
+        if node.kwargs.get("enable_gqa") or len(node.args) > 7:
+            continue
+        found = [_unrepeated(t) for t in (k, v)]
+        q = node.kwargs.get("query", node.args[0] if node.args else None)
+        if not _takes_groups(q) or (None in found or found[0][1] != found[1][1] or _shape(q) is None
+                or _shape(q)[:2] != _shape(k)[:2] or _shape(k)[:2] != _shape(v)[:2]):
+            continue  # (query heads one to one with the repeated ones: anything else is sdpa's error)
+        args, kwargs = list(node.args), dict(node.kwargs, enable_gqa=True)
+        for i, (key, (x, _, _)) in enumerate(zip(("key", "value"), found), 1):
+            if key in kwargs:
+                kwargs[key] = x
+            else:
+                args[i] = x
+        node.args, node.kwargs = tuple(args), kwargs
+        for _, _, chain in found:
+            for n in chain:
+                if not n.users:
+                    gm.graph.erase_node(n)
+        changed = True
+    if changed:
+        gm.recompile()
+
+
 def training_backend(gm: torch.fx.GraphModule, example_inputs, compile_graph):
     """A Dynamo graph that needs gradients: forward and backward graphs, each
     compiled by `compile_graph(gm)` -> callable(*args) returning a tuple
     (api._PerSize: one program per distinct size)."""
+    _grouped_kv(gm)
     retarget(gm, _SDPA_TARGETS, _sdpa_math)  # attention's math, before autograd sees torch's fused kernel
 
     def compiler(graph: torch.fx.GraphModule, inputs, **extra):

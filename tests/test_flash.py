@@ -116,6 +116,22 @@ class _Attention(torch.nn.Module):
         return self.o(a.transpose(1, 2).reshape(b, s, -1))
 
 
+def _matching_gradients(model, args, weights, **options):
+    """The model compiled (plans recorded afresh): its parameters' gradients of (out * weights).sum()
+    against eager's."""
+    torch._dynamo.reset()
+    egc.last_plans(clear=True)
+    compiled = torch.compile(model, backend="egraph", options=options)
+    grads = []
+    for fn in (compiled, model):
+        model.zero_grad(set_to_none=True)
+        (fn(*args) * weights).sum().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    for name, want in grads[1].items():
+        torch.testing.assert_close(grads[0][name], want, rtol=1e-4, atol=2e-5, msg=lambda m: f"{name}: {m}")
+    return compiled
+
+
 # the Triton target: its interpreter on CPU tensors, or the GPU where there is one
 GPU_TARGET = "cuda" if torch.cuda.is_available() else "triton"
 
@@ -134,17 +150,8 @@ def test_training_runs_one_forward_and_one_backward_call_per_layer(target, case,
             calls[_n] += 1
             return _f(*a, **k)
         monkeypatch.setattr(flash, name, counted)
-    torch._dynamo.reset()
-    egc.last_plans(clear=True)
-    compiled = torch.compile(model, backend="egraph", options={"target": target})
     weights = torch.randn(2, 12, 32, generator=torch.Generator().manual_seed(1)).to(device)
-    grads = []
-    for fn in (compiled, model):
-        model.zero_grad(set_to_none=True)
-        (fn(x, mask, case == "causal") * weights).sum().backward()
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
-    for name, want in grads[1].items():
-        torch.testing.assert_close(grads[0][name], want, rtol=1e-4, atol=2e-5, msg=lambda m: f"{name}: {m}")
+    compiled = _matching_gradients(model, (x, mask, case == "causal"), weights, target=target)
     forward, backward = egc.last_plans()[:2]
     tail = "" if mask is None else "_mask"
     assert forward.ops()["sdpa_fwd" + tail] == 1 and forward.ops()["sdpa_lse" + tail] == 1
@@ -167,7 +174,8 @@ def test_training_runs_one_forward_and_one_backward_call_per_layer(target, case,
     monkeypatch.setattr(torch.Tensor, "repeat_interleave", repeat_interleave)
     compiled(x, mask, case == "causal").sum().backward()
     assert calls == {"forward": 1, "backward": 1}, calls
-    assert len(repeats) == {"causal": 0, "bool mask, grouped heads": grouped}.get(case, 2), repeats
+    # (written out: attention on the unrepeated k and v, training._grouped_kv, where the kernels take them)
+    assert len(repeats) == {"causal": 0, "bool mask, grouped heads": grouped}.get(case, grouped and 2), repeats
 
 
 @pytest.mark.parametrize("groups", [2, 4])
@@ -211,3 +219,48 @@ def test_a_learned_attention_bias_gets_its_gradient():
     assert grads[1].abs().max() > 0
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-5)
     assert not any(op.startswith("sdpa_grad") for p in egc.last_plans() for op in p.ops())
+
+
+class _Repeated(torch.nn.Module):
+    """Attention on k and v of 2 heads made 4 by the program: `how` does it (transformers'
+    repeat_kv, repeat_interleave, or forms that are not a repeat of each head in place)."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how, self.q, self.kv = how, torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+
+    def forward(self, x, mask):
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, 4, 4).transpose(1, 2)
+        k, v = (t.view(b, s, 2, 4).transpose(1, 2) for t in self.kv(x).chunk(2, -1))
+        if self.how in ("repeat_kv", "read again"):
+            k, v = (t[:, :, None, :, :].expand(b, 2, 2, s, 4).reshape(b, 4, s, 4) for t in (k, v))
+        elif self.how == "unsqueeze":
+            k, v = (t.unsqueeze(2).expand(b, 2, 2, s, 4).reshape(b, 4, s, 4) for t in (k, v))
+        elif self.how == "repeat_interleave":
+            k, v = (t.repeat_interleave(2, dim=1) for t in (k, v))
+        elif self.how == "tiled":  # heads 0 1 0 1: not grouped-query attention's 0 0 1 1
+            k, v = (t[:, None].expand(b, 2, 2, s, 4).reshape(b, 4, s, 4) for t in (k, v))
+        elif self.how == "k only":
+            k, v = k.repeat_interleave(2, dim=1), v.repeat(1, 2, 1, 1)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return out + k.sum() if self.how == "read again" else out
+
+
+@pytest.mark.parametrize("how", ["repeat_kv", "unsqueeze", "repeat_interleave", "read again", "tiled", "k only"])
+def test_training_attention_on_repeated_heads_reads_the_unrepeated_ones(how):
+    """training._grouped_kv: in training, attention on k and v whose heads the program repeated in
+    place (as transformers does where it passes a mask) is attention with grouped heads where the
+    CPU kernels take them: the backward's k and v gradients come with 2 heads, not summed from 4.
+    Other repeats (tiled heads; v tiled, k interleaved) are left alone and match eager too; repeated k
+    read again elsewhere ("read again") is still made for that reader."""
+    torch.manual_seed(0)
+    model = _Repeated(how)
+    x = torch.randn(2, 6, 16)
+    mask = _mask("a dead row", 2, 6)
+    weights = torch.randn(2, 4, 6, 4)
+    _matching_gradients(model, (x, mask), weights)
+    backward = egc.last_plans()[1]
+    heads = sorted(n.shape[2] for n in backward.graph.topo() if n.op == "sdpa_grad_mask")
+    grouped = how in ("repeat_kv", "unsqueeze", "repeat_interleave", "read again") and flash.cpu_groups()
+    assert heads == ([2, 2, 4] if grouped else [4, 4, 4]), heads
