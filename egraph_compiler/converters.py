@@ -293,19 +293,6 @@ def _linear(x, w, b=None):
     return Node.make("linear", (x, w, b if b is not None else const(0.0)))
 
 
-def _pair(v) -> tuple:
-    """A 2-d argument as torch takes it: one number, or a list of one or two."""
-    return tuple(v) * (2 // len(v)) if isinstance(v, (list, tuple)) else (v, v)
-
-
-def _conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
-    pair = _pair
-    if isinstance(padding, str) or len(x.shape) != 4:  # padding="same"/"valid", unbatched input: ATen
-        return None
-    return Node.make("conv2d", (x, w, b if b is not None else const(0.0)),
-                     {"stride": pair(stride), "padding": pair(padding), "dilation": pair(dilation), "groups": groups})
-
-
 def _fill(value, shape, dtype=None, like=None, infer=False, **kwargs):
     """A tensor of one value (zeros, ones, full, scalar_tensor, new_zeros...): a constant broadcast
     by an index map, never stored unless it is an output."""
@@ -357,7 +344,7 @@ CONVERTERS = {
     aten.matmul.default: lambda a, b: Node.make("matmul", (a, b)),
     aten.mm.default: lambda a, b: Node.make("matmul", (a, b)),
     aten.bmm.default: lambda a, b: Node.make("matmul", (a, b)),
-    aten.linear.default: _linear, aten.conv2d.default: _conv2d,
+    aten.linear.default: _linear,
     aten.addmm.default: _addmm, aten.baddbmm.default: _addmm, aten.scaled_dot_product_attention.default: _sdpa,
     aten.var_mean.correction: _var_mean, aten.var.correction: lambda *a, **k: (_var_mean(*a, **k) or [None])[0],
     aten.var_mean.dim: lambda x, dim=None, unbiased=True, keepdim=False: _var_mean(x, dim, int(unbiased), keepdim),

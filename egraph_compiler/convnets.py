@@ -1,5 +1,5 @@
-"""Converters for the ops of convolutional networks as torch hands them over: the
-general `convolution` (AOTAutograd's form of conv2d) and its gradients, conv1d,
+"""Converters for the ops of convolutional networks as torch hands them over:
+conv2d, the general `convolution` (AOTAutograd's form of it) and its gradients, conv1d,
 batch norm in inference (per-channel arithmetic, which the rules fuse with the
 ops around it), adaptive average pooling to sizes that divide the input (a
 reshape and a mean; its gradient an expand; 1-d too; `avg_pool2d` where its windows tile
@@ -14,10 +14,22 @@ from __future__ import annotations
 
 import torch
 
-from .converters import _cast, _cat, _conv2d, _expand, _fill, _layer_norm, _pair, _reshape, _slice
+from .converters import _cast, _cat, _expand, _fill, _layer_norm, _reshape, _slice
 from .graph import Node, const
 
 aten = torch.ops.aten
+
+
+def _pair(v) -> tuple:
+    """A 2-d argument as torch takes it: one number, or a list of one or two."""
+    return tuple(v) * (2 // len(v)) if isinstance(v, (list, tuple)) else (v, v)
+
+
+def _conv2d(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
+    if isinstance(padding, str) or len(x.shape) != 4:  # padding="same"/"valid", unbatched input: ATen
+        return None
+    return Node.make("conv2d", (x, w, b if b is not None else const(0.0)),
+                     {"stride": _pair(stride), "padding": _pair(padding), "dilation": _pair(dilation), "groups": groups})
 
 
 def _convolution(x, w, b, stride, padding, dilation, transposed, output_padding, groups):
@@ -238,6 +250,7 @@ def _group_norm(x, groups, w=None, b=None, eps=1e-5, cudnn_enabled=True):
 
 
 CONVNETS = {
+    aten.conv2d.default: _conv2d,
     aten.group_norm.default: _group_norm,
     aten.upsample_bilinear2d.default: _upsample_bilinear2d,
     aten.upsample_bilinear2d.vec: lambda x, size, align_corners, scales: _upsample_bilinear2d(
