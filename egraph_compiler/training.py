@@ -147,8 +147,8 @@ def _grouped_kv(gm: torch.fx.GraphModule) -> None:
             continue
         found = [_unrepeated(t) for t in (k, v)]
         q = node.kwargs.get("query", node.args[0] if node.args else None)
-        if not _takes_groups(q) or (None in found or found[0][1] != found[1][1] or _shape(q) is None
-                or _shape(q)[:2] != _shape(k)[:2] or _shape(k)[:2] != _shape(v)[:2]):
+        if (None in found or found[0][1] != found[1][1] or _shape(q) is None
+                or _shape(q)[:2] != _shape(k)[:2] or _shape(k)[:2] != _shape(v)[:2] or not _takes_groups(q)):
             continue  # (query heads one to one with the repeated ones: anything else is sdpa's error)
         args, kwargs = list(node.args), dict(node.kwargs, enable_gqa=True)
         for i, (key, (x, _, _)) in enumerate(zip(("key", "value"), found), 1):
