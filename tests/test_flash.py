@@ -164,8 +164,11 @@ def test_training_runs_one_forward_and_one_backward_call_per_layer(target, case,
     # for torch's kernels that do not take them); written out, once each in all: not again for the call's sibling
     # results nor for the activations saved for backward (six copies a layer before)
     calls.update(forward=0, backward=0)
-    # (torch's CPU kernels that take grouped heads as they are, flash.cpu_groups: no copies at all)
-    grouped = 0 if device == "cpu" and flash.cpu_groups() else 4
+    # (torch's CPU kernels that take grouped heads as they are, flash.cpu_groups: no copies in the
+    # forward; none in the backward either where its 2 x 2 (batch, K/V head) pairs keep the threads busy)
+    forward_grouped = device == "cpu" and flash.cpu_groups()
+    backward_grouped = forward_grouped and 2 * 2 >= torch.get_num_threads()
+    grouped = (0 if forward_grouped else 2) + (0 if backward_grouped else 2)
     repeats = []
 
     def repeat_interleave(self, *a, _f=torch.Tensor.repeat_interleave, **k):
@@ -175,7 +178,23 @@ def test_training_runs_one_forward_and_one_backward_call_per_layer(target, case,
     compiled(x, mask, case == "causal").sum().backward()
     assert calls == {"forward": 1, "backward": 1}, calls
     # (written out: attention on the unrepeated k and v, training._grouped_kv, where the kernels take them)
-    assert len(repeats) == {"causal": 0, "bool mask, grouped heads": grouped}.get(case, grouped and 2), repeats
+    written = grouped if forward_grouped else 2
+    assert len(repeats) == {"causal": 0, "bool mask, grouped heads": grouped}.get(case, written), repeats
+
+
+@pytest.mark.parametrize("threads, batch, expected", [(4, 1, False), (2, 1, True), (16, 4, False), (16, 8, True)])
+def test_the_cpu_backward_takes_grouped_heads_only_where_their_pairs_keep_the_threads_busy(
+        threads, batch, expected, monkeypatch):
+    """flash._grouped: torch's CPU flash backward shares its threads out by (batch, K/V head)
+    pair, so with fewer pairs than threads k and v go to it repeated (1.107x a LLaMA training
+    step's time on 16 threads with 8 pairs grouped); the forward takes them grouped regardless."""
+    if not flash.cpu_groups():
+        pytest.skip("this torch's CPU flash kernels do not take grouped heads")
+    q, k = torch.empty(batch, 4, 8, 8), torch.empty(batch, 2, 8, 8)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    assert flash._grouped("cpu", q, k, None, backward=True) is expected
+    assert flash._grouped("cpu", q, k, None) is True
+    assert flash._grouped("cpu", q, k, True, backward=True) is True  # (asked for: as asked)
 
 
 @pytest.mark.parametrize("groups", [2, 4])
