@@ -134,16 +134,19 @@ def _takes_groups(q) -> bool:
 def _grouped_kv(gm: torch.fx.GraphModule) -> None:
     """Attention on keys and values repeated per query head (`repeat_kv`) becomes attention with
     `enable_gqa=True` on the unrepeated ones, edited in place, where the fused kernels take them
-    so (`_takes_groups`): they then read (and backward saves) k and v once, and their gradients need no sum over each group.  Inference
-    gets the same from the rule `attention_grouped_kv_masked`; in training the attention is a
-    library call before autograd (`_sdpa_math`), which no rule of the e-graph reaches."""
+    so (`_takes_groups`): they then read (and backward saves) k and v once, and their gradients
+    need no sum over each group.  Inference gets the same from the rule
+    `attention_grouped_kv_masked`; in training the attention is a library call before autograd
+    (`_sdpa_math`), which no rule of the e-graph reaches.  Attention with dropout is left alone
+    (torch's own kernel runs it, drawing its random numbers as eager does)."""
     changed = False
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target not in _SDPA_TARGETS:
             continue
         args = list(node.args) + [None] * (3 - len(node.args))
         k, v = node.kwargs.get("key", args[1]), node.kwargs.get("value", args[2])
-        if node.kwargs.get("enable_gqa") or len(node.args) > 7:
+        dropout = node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else 0.0)
+        if node.kwargs.get("enable_gqa") or len(node.args) > 7 or dropout != 0.0:
             continue
         found = [_unrepeated(t) for t in (k, v)]
         q = node.kwargs.get("query", node.args[0] if node.args else None)

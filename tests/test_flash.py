@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import egraph_compiler as egc
-from egraph_compiler import flash
+from egraph_compiler import flash, training
 
 
 def _reference(q, k, v, mask, causal, scale, dout):
@@ -244,9 +244,9 @@ class _Repeated(torch.nn.Module):
     """Attention on k and v of 2 heads made 4 by the program: `how` does it (transformers'
     repeat_kv, repeat_interleave, or forms that are not a repeat of each head in place)."""
 
-    def __init__(self, how):
+    def __init__(self, how, dropout=0.0):
         super().__init__()
-        self.how, self.q, self.kv = how, torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+        self.how, self.dropout, self.q, self.kv = how, dropout, torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
 
     def forward(self, x, mask):
         b, s, _ = x.shape
@@ -262,7 +262,7 @@ class _Repeated(torch.nn.Module):
             k, v = (t[:, None].expand(b, 2, 2, s, 4).reshape(b, 4, s, 4) for t in (k, v))
         elif self.how == "k only":
             k, v = k.repeat_interleave(2, dim=1), v.repeat(1, 2, 1, 1)
-        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.dropout)
         return out + k.sum() if self.how == "read again" else out
 
 
@@ -283,3 +283,21 @@ def test_training_attention_on_repeated_heads_reads_the_unrepeated_ones(how):
     heads = sorted(n.shape[2] for n in backward.graph.topo() if n.op == "sdpa_grad_mask")
     grouped = how in ("repeat_kv", "unsqueeze", "repeat_interleave", "read again") and flash.cpu_groups()
     assert heads == ([2, 2, 4] if grouped else [4, 4, 4]), heads
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.25])
+def test_attention_with_dropout_on_repeated_heads_is_left_alone(dropout):
+    """training._grouped_kv on Dynamo's graph: attention with dropout keeps its repeated k and v
+    (torch's own kernel runs it, drawing its random numbers as eager does); without, it does not."""
+    if not flash.cpu_groups():
+        pytest.skip("this torch's CPU flash kernels do not take grouped heads")
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+    torch._dynamo.reset()
+    torch.compile(_Repeated("repeat_kv", dropout), backend=keep)(torch.randn(2, 6, 16), _mask("a dead row", 2, 6))
+    training._grouped_kv(graphs[0])
+    calls = [n for n in graphs[0].graph.nodes if n.op == "call_function" and n.target in training._SDPA_TARGETS]
+    assert len(calls) == 1 and bool(calls[0].kwargs.get("enable_gqa")) is (dropout == 0.0), calls[0].kwargs
