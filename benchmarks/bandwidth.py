@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 import egraph_compiler as egc
-from benchmarks.run import time_block
+from benchmarks.timing import time_block
 
 PROGRAMS = {
     "softmax": lambda x, w, b: torch.softmax(x, -1),

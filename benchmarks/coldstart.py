@@ -27,7 +27,7 @@ def main(argv=None) -> int:
 
     import egraph_compiler as egc
     from benchmarks.models import SIZES, make
-    from benchmarks.run import sync
+    from benchmarks.timing import sync
     from benchmarks.training import _loss, _no_dropout
     model, inputs = make(args.model, SIZES[args.size], args.device, getattr(torch, args.dtype))
     model.train()

@@ -24,7 +24,8 @@ import torch
 import egraph_compiler as egc
 from benchmarks.common import interleaved, model_parser, run_models
 from benchmarks.kernels import kernel_times
-from benchmarks.run import TOL, check, short_error, sync, time_block
+from benchmarks.run import TOL, check, short_error
+from benchmarks.timing import sync, time_block
 
 SIZES = {  # layers, hidden, heads, batch, sequence (ViT: image side = 4 * sequence ** 0.5)
     "test": dict(layers=2, hidden=64, heads=4, batch=2, seq=16),

@@ -21,7 +21,8 @@ import torch
 
 from benchmarks.common import interleaved, workload_parser
 from benchmarks.cost_fidelity import fidelity
-from benchmarks.run import TOL, check, sync, time_block
+from benchmarks.run import TOL, check
+from benchmarks.timing import sync, time_block
 from egraph_compiler import workloads
 from egraph_compiler.alternatives import alternatives
 

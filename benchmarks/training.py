@@ -23,7 +23,8 @@ import torch
 import egraph_compiler as egc
 from benchmarks.common import interleaved, model_parser, run_models
 from benchmarks.models import SIZES, make
-from benchmarks.run import short_error, sync
+from benchmarks.run import short_error
+from benchmarks.timing import sync
 
 
 def _loss(model, inputs) -> torch.Tensor:
