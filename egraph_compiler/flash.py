@@ -21,6 +21,8 @@ fake implementation states, so a saved output is never copied to another layout.
 from __future__ import annotations
 
 import functools
+import statistics
+import time
 
 import torch
 
@@ -111,17 +113,35 @@ def cpu_groups() -> bool:
     return True
 
 
-def _grouped(backend: str, q, k, grouped: bool | None, backward: bool = False) -> bool:
-    """Whether k and v go to the kernel with fewer heads than q, as they are.  The backward kernel
-    then shares its threads out by K/V head, not query head: with fewer (batch, K/V head) pairs
-    than threads it leaves threads idle and k and v go repeated (a LLaMA training step at --size
-    cpu, 4 x 2 pairs, on 16 threads: 1.107x the time with them grouped; 1 pair on 2 threads,
-    the kernel 1.21x; 2 pairs or more on 2 threads, 0.81-0.97x)."""
+def _grouped(backend: str, q, k, grouped: bool | None) -> bool:
+    """Whether k and v go to the kernel with fewer heads than q, as they are."""
     if backend != "cpu" or q.shape[1] == k.shape[1]:
         return False
-    if grouped is not None:
-        return grouped
-    return cpu_groups() and (not backward or q.shape[0] * k.shape[1] >= torch.get_num_threads())
+    return cpu_groups() if grouped is None else grouped
+
+
+# (q's shape, k's shape, dtype, causal, masked, threads) -> whether torch's CPU flash backward took
+# k and v grouped faster than repeated, timed on the first call of that kind (`_backward_pick`)
+PICKS: dict[tuple, bool] = {}
+
+
+def _backward_pick(q, k, causal: bool, mask, run) -> bool:
+    """Whether the CPU backward takes k and v grouped: the faster of the two, timed three times
+    each, interleaved, on the first call of its kind (`run(grouped)` calls the kernel).  Neither
+    wins everywhere: on a 16-core Xeon (torch 2.11) grouped took 0.34-0.84x the repeated form's
+    time on seven shapes and 1.5-2.3x on two ([1, 4|8, 512|256, 64] queries on 2 K/V heads); on
+    2 cores (torch 2.13) 0.81-0.97x, 1.21x on one ([1, 2, 512, 64] on 1 K/V head)."""
+    key = (tuple(q.shape), tuple(k.shape), q.dtype, causal, mask is not None, torch.get_num_threads())
+    pick = PICKS.get(key)
+    if pick is None:
+        times: dict[bool, list] = {True: [], False: []}
+        for _ in range(3):
+            for grouped in (True, False):
+                start = time.perf_counter()
+                run(grouped)
+                times[grouped].append(time.perf_counter() - start)
+        pick = PICKS[key] = statistics.median(times[True]) <= statistics.median(times[False])
+    return pick
 
 
 def _dummy(shape, dtype, device) -> torch.Tensor:
@@ -177,12 +197,20 @@ def forward(q, k, v, scale: float, causal: bool, mask=None, dead=None,
 def backward(dout, q, k, v, out, lse, scale: float, causal: bool, mask=None,
              grouped: bool | None = None) -> tuple[torch.Tensor, ...]:
     """Gradients of q, k and v (k's and v's summed over the query heads each serves); `grouped`
-    as `forward`'s."""
+    as `forward`'s, except that None on CPU is the faster of the two there (`_backward_pick`)."""
     q, k, v = (_dense_rows(x) for x in (q, k, v))
-    backend, dev = _backend(q, mask is not None), q.device
-    groups = 1 if _grouped(backend, q, k, grouped, backward=True) else q.shape[1] // k.shape[1]
-    kr, vr = _repeat(k, groups), _repeat(v, groups)
+    backend = _backend(q, mask is not None)
     dout = _canonical(dout)  # (the output's own layout: cuDNN reads the two alike)
+    if backend == "cpu" and grouped is None and q.shape[1] != k.shape[1] and cpu_groups():
+        grouped = _backward_pick(q, k, causal, mask,
+                                 lambda g: _kernel_backward(dout, q, k, v, out, lse, scale, causal, mask, backend, g))
+    return _kernel_backward(dout, q, k, v, out, lse, scale, causal, mask, backend, _grouped(backend, q, k, grouped))
+
+
+def _kernel_backward(dout, q, k, v, out, lse, scale, causal, mask, backend: str, grouped: bool) -> tuple:
+    dev = q.device
+    groups = 1 if grouped else q.shape[1] // k.shape[1]
+    kr, vr = _repeat(k, groups), _repeat(v, groups)
     if backend == "cpu":
         grads = aten._scaled_dot_product_flash_attention_for_cpu_backward.default(
             dout, q, kr, vr, out, lse, 0.0, causal, attn_mask=mask, scale=scale)

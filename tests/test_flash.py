@@ -165,9 +165,11 @@ def test_training_runs_one_forward_and_one_backward_call_per_layer(target, case,
     # results nor for the activations saved for backward (six copies a layer before)
     calls.update(forward=0, backward=0)
     # (torch's CPU kernels that take grouped heads as they are, flash.cpu_groups: no copies in the
-    # forward; none in the backward either where its 2 x 2 (batch, K/V head) pairs keep the threads busy)
+    # forward; none in the backward either where it took them grouped faster, timed on its first call)
     forward_grouped = device == "cpu" and flash.cpu_groups()
-    backward_grouped = forward_grouped and 2 * 2 >= torch.get_num_threads()
+    picks = [v for (qs, ks, *_), v in flash.PICKS.items() if (qs, ks) == ((2, 4, 12, 8), (2, 2, 12, 8))]
+    assert bool(picks) == (forward_grouped and case != "causal"), flash.PICKS
+    backward_grouped = forward_grouped and all(picks)
     grouped = (0 if forward_grouped else 2) + (0 if backward_grouped else 2)
     repeats = []
 
@@ -182,19 +184,34 @@ def test_training_runs_one_forward_and_one_backward_call_per_layer(target, case,
     assert len(repeats) == {"causal": 0, "bool mask, grouped heads": grouped}.get(case, written), repeats
 
 
-@pytest.mark.parametrize("threads, batch, expected", [(4, 1, False), (2, 1, True), (16, 4, False), (16, 8, True)])
-def test_the_cpu_backward_takes_grouped_heads_only_where_their_pairs_keep_the_threads_busy(
-        threads, batch, expected, monkeypatch):
-    """flash._grouped: torch's CPU flash backward shares its threads out by (batch, K/V head)
-    pair, so with fewer pairs than threads k and v go to it repeated (1.107x a LLaMA training
-    step's time on 16 threads with 8 pairs grouped); the forward takes them grouped regardless."""
+@pytest.mark.parametrize("pick", [True, False])
+def test_the_cpu_backward_takes_grouped_heads_where_it_timed_them_faster(pick, monkeypatch):
+    """flash._backward_pick: neither grouped nor repeated k and v is the faster CPU backward on every
+    shape and machine, so the first call of each kind times both and keeps the faster; later calls
+    of that kind repeat k and v only where repeated won.  Both give eager's gradients."""
     if not flash.cpu_groups():
         pytest.skip("this torch's CPU flash kernels do not take grouped heads")
-    q, k = torch.empty(batch, 4, 8, 8), torch.empty(batch, 2, 8, 8)
-    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
-    assert flash._grouped("cpu", q, k, None, backward=True) is expected
-    assert flash._grouped("cpu", q, k, None) is True
-    assert flash._grouped("cpu", q, k, True, backward=True) is True  # (asked for: as asked)
+    torch.manual_seed(0)
+    q, dout = (torch.randn(3, 4, 7, 8) for _ in range(2))
+    k, v = (torch.randn(3, 2, 7, 8) for _ in range(2))
+    monkeypatch.setattr(flash, "PICKS", {})
+    out, lse = flash.forward(q, k, v, 0.3, True)
+    first = flash.backward(dout, q, k, v, out, lse, 0.3, True)
+    (key, _), = flash.PICKS.items()
+    assert key == ((3, 4, 7, 8), (3, 2, 7, 8), torch.float32, True, False, torch.get_num_threads())
+    flash.PICKS[key] = pick
+    repeats = []
+
+    def repeat_interleave(self, *a, _f=torch.Tensor.repeat_interleave, **kw):
+        repeats.append(self.shape)
+        return _f(self, *a, **kw)
+    monkeypatch.setattr(torch.Tensor, "repeat_interleave", repeat_interleave)
+    again = flash.backward(dout, q, k, v, out, lse, 0.3, True)
+    assert len(repeats) == (0 if pick else 2), repeats
+    want = flash.backward(dout, q, k, v, out, lse, 0.3, True, grouped=False)
+    for a, b, c in zip(first, again, want):
+        torch.testing.assert_close(a, c, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(b, c, atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("groups", [2, 4])
