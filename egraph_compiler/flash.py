@@ -125,23 +125,26 @@ def _grouped(backend: str, q, k, grouped: bool | None) -> bool:
 PICKS: dict[tuple, bool] = {}
 
 
-def _backward_pick(q, k, causal: bool, mask, run) -> bool:
-    """Whether the CPU backward takes k and v grouped: the faster of the two, timed three times
+def _backward_pick(q, k, causal: bool, mask, run) -> tuple[bool, tuple | None]:
+    """Whether the CPU backward takes k and v grouped, and the gradients where this call timed
+    them (the faster form's last run; else None): the faster of the two, timed three times
     each, interleaved, on the first call of its kind (`run(grouped)` calls the kernel).  Neither
     wins everywhere: on a 16-core Xeon (torch 2.11) grouped took 0.34-0.84x the repeated form's
     time on seven shapes and 1.5-2.3x on two ([1, 4|8, 512|256, 64] queries on 2 K/V heads); on
     2 cores (torch 2.13) 0.81-0.97x, 1.21x on one ([1, 2, 512, 64] on 1 K/V head)."""
     key = (tuple(q.shape), tuple(k.shape), q.dtype, causal, mask is not None, torch.get_num_threads())
     pick = PICKS.get(key)
-    if pick is None:
-        times: dict[bool, list] = {True: [], False: []}
-        for _ in range(3):
-            for grouped in (True, False):
-                start = time.perf_counter()
-                run(grouped)
-                times[grouped].append(time.perf_counter() - start)
-        pick = PICKS[key] = statistics.median(times[True]) <= statistics.median(times[False])
-    return pick
+    if pick is not None:
+        return pick, None
+    times: dict[bool, list] = {True: [], False: []}
+    got: dict[bool, tuple] = {}
+    for _ in range(3):
+        for grouped in (True, False):
+            start = time.perf_counter()
+            got[grouped] = run(grouped)
+            times[grouped].append(time.perf_counter() - start)
+    pick = PICKS[key] = statistics.median(times[True]) <= statistics.median(times[False])
+    return pick, got[pick]
 
 
 def _dummy(shape, dtype, device) -> torch.Tensor:
@@ -202,8 +205,10 @@ def backward(dout, q, k, v, out, lse, scale: float, causal: bool, mask=None,
     backend = _backend(q, mask is not None)
     dout = _canonical(dout)  # (the output's own layout: cuDNN reads the two alike)
     if backend == "cpu" and grouped is None and q.shape[1] != k.shape[1] and cpu_groups():
-        grouped = _backward_pick(q, k, causal, mask,
-                                 lambda g: _kernel_backward(dout, q, k, v, out, lse, scale, causal, mask, backend, g))
+        grouped, got = _backward_pick(q, k, causal, mask,
+                                      lambda g: _kernel_backward(dout, q, k, v, out, lse, scale, causal, mask, backend, g))
+        if got is not None:  # (timed this call: the faster form's gradients, not a seventh run)
+            return got
     return _kernel_backward(dout, q, k, v, out, lse, scale, causal, mask, backend, _grouped(backend, q, k, grouped))
 
 

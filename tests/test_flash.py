@@ -196,7 +196,15 @@ def test_the_cpu_backward_takes_grouped_heads_where_it_timed_them_faster(pick, m
     k, v = (torch.randn(3, 2, 7, 8) for _ in range(2))
     monkeypatch.setattr(flash, "PICKS", {})
     out, lse = flash.forward(q, k, v, 0.3, True)
+    runs, kernel_backward = [], flash._kernel_backward
+
+    def kernel(*a):
+        runs.append(a[-1])
+        return kernel_backward(*a)
+    monkeypatch.setattr(flash, "_kernel_backward", kernel)
     first = flash.backward(dout, q, k, v, out, lse, 0.3, True)
+    assert sorted(runs) == [False] * 3 + [True] * 3, runs  # (the result is the winner's last run: no seventh)
+    monkeypatch.setattr(flash, "_kernel_backward", kernel_backward)
     (key, _), = flash.PICKS.items()
     assert key == ((3, 4, 7, 8), (3, 2, 7, 8), torch.float32, True, False, torch.get_num_threads())
     flash.PICKS[key] = pick
