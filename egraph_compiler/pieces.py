@@ -123,9 +123,7 @@ def strips(k: LoopKernel):
     None where no such m divides the row or some read stays divided."""
     if k.reductions or k.stash_last or not k.store_in_inner or any(not s[3] for s in k.extra_stores):
         return None
-    row = Affine.var("r", k.inner)
-    moduli = sorted({t[2] for e in expressions(k) for load in loads(e) for t, _ in load.index.terms
-                     if t[0] in ("mod", "div") and t[1] == row})
+    moduli = sorted({m for e in expressions(k) for load in loads(e) for m in _row_moduli(load.index)})
     for m in (m for m in moduli if 8 <= m < k.inner and k.inner % m == 0):
         value = Affine.var("rl", m) + Affine.var("rh", k.inner // m).scale(m)
         ex = lambda e: put_expr(e, "r", value)
@@ -135,6 +133,15 @@ def strips(k: LoopKernel):
                    for t, _ in load.index.terms):
             return m, split
     return None
+
+
+def _row_moduli(index: Affine):
+    """The divisors and moduli applied to the row variable, nested ones too: a rotary embedding's
+    backward reads `((r % 64) % 32) + 64 * (r / 64)`, whose runs of 32 read along with no division."""
+    for term, _ in index.terms:
+        if term[0] in ("mod", "div") and "r" in _names(term[1]):
+            yield term[2]
+            yield from _row_moduli(term[1])
 
 
 def tile_vars(k: LoopKernel, tile: int) -> list:

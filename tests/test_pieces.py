@@ -130,6 +130,9 @@ STRIPS = {  # name: (fn, input shape, the run length the row loop takes or 0)
                           (2, 3, 8, 32), 32),
     "short_runs": (lambda x: x.permute(0, 2, 1, 3).reshape(x.shape[0] * x.shape[2], -1) + 1.0, (2, 4, 8, 4), 0),
     "rows_in_order": (lambda x: x * 3.0, (6, 40), 0),
+    # a rotary embedding's rotate_half on merged heads: reads ((r % 64) % 32) + 64 * (r / 64), in runs of 32
+    "rotate_half_merged": (lambda x: (x * 2.0 + torch.cat([-x[..., 32:], x[..., :32]], -1)).reshape(x.shape[0], -1),
+                           (6, 4, 64), 32),
 }
 
 
