@@ -326,3 +326,30 @@ def test_attention_with_dropout_on_repeated_heads_is_left_alone(dropout):
     training._grouped_kv(graphs[0])
     calls = [n for n in graphs[0].graph.nodes if n.op == "call_function" and n.target in training._SDPA_TARGETS]
     assert len(calls) == 1 and bool(calls[0].kwargs.get("enable_gqa")) is (dropout == 0.0), calls[0].kwargs
+
+
+def test_kernel_times_repeat_the_fused_attention_call_itself(monkeypatch):
+    """timing.kernel_times (Compiled.report(measure=...), benchmarks/cost_fidelity.py) repeats each step
+    to time it.  The fused attention's first node repeats the call, not a read of the result it left
+    in the run's memo for its sibling (which read as ~4 us for a call of a millisecond)."""
+    from egraph_compiler import runtime
+    torch.manual_seed(0)
+    seen, call = {}, runtime.Executable.__call__
+
+    def recording(self, *a):
+        seen[id(self)] = a
+        return call(self, *a)
+    monkeypatch.setattr(runtime.Executable, "__call__", recording)
+    _matching_gradients(_Attention(), (torch.randn(2, 12, 32), None, True), torch.ones(2, 12, 32))
+    forward = egc.last_compiled()[0]._executable
+    assert forward.plan.ops()["sdpa_fwd"] == 1 and forward.plan.ops()["sdpa_lse"] == 1
+    calls = []
+
+    def counted(*a, _f=flash.forward, **k):
+        calls.append(1)
+        return _f(*a, **k)
+    monkeypatch.setattr(flash, "forward", counted)
+    times = forward.kernel_times(*seen[id(forward)], reps=1, inner=5)
+    assert len(calls) == 2 * (1 + 5), len(calls)  # (two runs, the first dropped: one call and five repeats each)
+    steps = {k.kind + ":" + k.output.op: times[k.name] for k in forward.plan.kernels}
+    assert steps["library:sdpa_fwd"] + steps["library:sdpa_lse"] > 0
