@@ -20,7 +20,7 @@ import time
 from egraph_compiler import calibrate, workloads
 from egraph_compiler.api import compile as egc_compile
 
-READINGS = ("bandwidth", "flops", "exp_cost", "tanh_cost", "launch")
+READINGS = ("bandwidth", "flops", "exp_cost", "tanh_cost", "trig_cost", "launch")
 
 
 def plan_shape(profile, name: str, size: str) -> list[tuple[str, str]]:

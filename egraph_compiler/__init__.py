@@ -3,8 +3,8 @@ equality saturation.  See README.md for the pipeline."""
 from .api import CompiledFunction, compile, dynamo_backend, explain, last_compiled, last_plans
 from .alternatives import alternatives
 from .errors import (CaptureError, CodegenError, EagerFallbackWarning, EgraphCompilerError, InputError, OptionError,
-                     RuleError, UnsoundRuleError, UnsupportedOpError)
+                     RuleError, ScalarMathWarning, UnsoundRuleError, UnsupportedOpError)
 
 __all__ = ["compile", "explain", "alternatives", "dynamo_backend", "last_plans", "last_compiled", "CompiledFunction", "EgraphCompilerError", "CaptureError",
            "CodegenError", "InputError", "OptionError", "RuleError", "UnsoundRuleError", "UnsupportedOpError",
-           "EagerFallbackWarning"]
+           "EagerFallbackWarning", "ScalarMathWarning"]

@@ -4,7 +4,8 @@ CPU's, calibrated on first use by a short measurement and cached on disk.
 The measurement (about a second, and three C++ compiles, cached): copy bandwidth
 (a 64 MB copy), the rate generated code reaches in the op table's FLOP units (a
 compiled chain of multiply-adds), what its transcendental calls cost against that
-(compiled chains of exp and of tanh: `DeviceProfile.exp_cost`, `tanh_cost`), the
+(compiled chains of exp, of tanh and of cos and sin: `DeviceProfile.exp_cost`, `tanh_cost`,
+`trig_cost`), the
 library's matmul rate and its fixed cost per call (fitted to two sizes), and the fixed
 cost of one kernel call.  Each is the best of nine runs, and a
 reading whose runs disagree (the median more than 1.5x the best: the machine is
@@ -22,7 +23,7 @@ import torch
 from .cost import PROFILES, TRANSCENDENTAL, DeviceProfile
 from .cache import cache_dir
 
-PROFILE_VERSION = 9
+PROFILE_VERSION = 10  # (10: trig_cost)
 UNSTABLE = 1.5  # a reading whose median run is this much slower than its best was taken on a busy machine
 _refused = False  # this process found the machine too busy once: the fixed table, no second attempt
 
@@ -75,13 +76,13 @@ def _measure_cpu() -> DeviceProfile:
                                        for n in (256, 512)])
     one = torch.ones(1)
     launch = _best_seconds(lambda: [torch.add(one, one) for _ in range(100)]) / 100
-    exp_cost, tanh_cost = (_transcendental_cost(fn, op, flops) for fn, op in ((_exp_chain, "exp"),
-                                                                              (_tanh_chain, "tanh")))
+    exp_cost, tanh_cost, trig_cost = (_transcendental_cost(fn, op, flops) for fn, op in (
+        (_exp_chain, "exp"), (_tanh_chain, "tanh"), (_trig_chain, "cos")))
     # (fused attention is charged the matmul rate and fixed cost: its own fit, over 128 and 256
     # queries, read 34-38 us per call on this 2-core machine when quiet and 90-98 us inside a test
     # run, which flipped the attention workload's plan; TESTING.md)
     return DeviceProfile("cpu", bandwidth, flops, library, launch, exp_cost=exp_cost, tanh_cost=tanh_cost,
-                         library_launch=library_launch)
+                         trig_cost=trig_cost, library_launch=library_launch)
 
 
 def _fitted(calls) -> tuple[float, float]:
@@ -122,6 +123,12 @@ def _exp_chain(x, a, b):
 
 def _tanh_chain(x, a, b):
     return sum(torch.tanh(x * (0.05 * k)) for k in range(1, 17))
+
+
+def _trig_chain(x, a, b):
+    # (angles up to ~130 radians, as a rotary embedding's positions times its frequencies;
+    # cos and sin of different angles: g++ would merge a pair of one angle into sincosf)
+    return sum((torch.cos if k % 2 else torch.sin)(x * (8.0 * k)) for k in range(1, 17))
 
 
 def _generated_rate(chain) -> tuple[float, float]:

@@ -291,7 +291,7 @@ def _profile_line(name: str, p) -> str:
         if p.attention_flops else ""
     attention = f" + {p.library_launch * 1e6:.0f} us per call" + attention if p.library_launch else attention
     return (f"{name}: bandwidth {p.bandwidth / 1e9:.1f} GB/s, generated code {p.flops / 1e9:.1f} GFLOP/s "
-            f"(a FLOP of exp {p.exp_cost:.1f}x, of tanh {p.tanh_cost:.1f}x), library {p.library_flops / 1e9:.1f} "
+            f"(a FLOP of exp {p.exp_cost:.1f}x, of tanh {p.tanh_cost:.1f}x, of cos/sin {p.trig_cost:.1f}x), library {p.library_flops / 1e9:.1f} "
             f"GFLOP/s{attention}, launch {p.launch * 1e6:.2f} us")
 
 

@@ -26,9 +26,11 @@ class DeviceProfile:
     link_bandwidth: float = 5e9  # bytes / s between processes (collectives)
     attention_flops: float = 0.0  # FLOP / s for fused attention (sdpa); 0: the matmul rate
     # what a FLOP of a transcendental call costs, in FLOPs of arithmetic: exp's kind (exp, log,
-    # sigmoid, silu, softmax, pow, cos, sin) and tanh's (tanh, gelu_tanh, erf, gelu)
+    # sigmoid, silu, softmax, pow), tanh's (tanh, gelu_tanh, erf, gelu) and trig's (cos, sin: on the
+    # device box's Xeon a rotary kernel's cos and sin took ~6 ns a call where exp took ~0.3)
     exp_cost: float = 1.0
     tanh_cost: float = 1.0
+    trig_cost: float = 1.0
     # what a library call costs beyond its FLOPs at the rate (thread start-up, packing): fitted,
     # with the rate, from two sizes (16 cores: +35 us per matmul, +100 us per fused attention)
     library_launch: float = 0.0
@@ -158,19 +160,19 @@ def repeats(group: str, out_elements: float, operand_elements: float) -> float:
 # of an op's FLOPs per element (the op table's), those spent in transcendental calls, by kind:
 # generated code runs them slower than its arithmetic, by the profile's measured factors
 TRANSCENDENTAL = {"exp": ("exp", 4), "log": ("exp", 4), "sigmoid": ("exp", 4), "silu": ("exp", 4),
-                  "softmax": ("exp", 4), "log_softmax": ("exp", 7), "pow": ("exp", 4), "cos": ("exp", 6),
-                  "sin": ("exp", 6), "log1p": ("exp", 6), "expm1": ("exp", 6), "tanh": ("tanh", 6),
+                  "softmax": ("exp", 4), "log_softmax": ("exp", 7), "pow": ("exp", 4), "cos": ("trig", 6),
+                  "sin": ("trig", 6), "log1p": ("exp", 6), "expm1": ("exp", 6), "tanh": ("tanh", 6),
                   "gelu_tanh": ("tanh", 6), "erf": ("tanh", 8),
                   "gelu": ("tanh", 8)}
 
 
 def op_flops(op: str, out_shape, in_shapes, profile: DeviceProfile | None = None) -> float:
     """The op's FLOPs (op-table units); with a profile, its transcendental calls weighted
-    by what they cost there (`DeviceProfile.exp_cost`, `tanh_cost`)."""
+    by what they cost there (`DeviceProfile.exp_cost`, `tanh_cost`, `trig_cost`)."""
     flops = _table_flops(op, out_shape, in_shapes)
     if profile is not None and op in TRANSCENDENTAL:
         kind, share = TRANSCENDENTAL[op]
-        factor = profile.exp_cost if kind == "exp" else profile.tanh_cost
+        factor = {"exp": profile.exp_cost, "tanh": profile.tanh_cost, "trig": profile.trig_cost}[kind]
         flops *= 1 + (factor - 1) * share / ops.get(op).flops
     return flops
 

@@ -51,6 +51,11 @@ class EagerFallbackWarning(UserWarning):
     """A compiled program (or graph) ran eagerly instead: said once, never silent."""
 
 
+class ScalarMathWarning(UserWarning):
+    """Generated C++ was built without glibc's vector math (libmvec): its exp, log, tanh, erf, cos
+    and sin are scalar calls, several times slower in a vector loop.  Said once per process."""
+
+
 class IndexOutOfRange(EgraphCompilerError, IndexError):
     """An embedding's index outside its matrix's rows, found by the generated kernel
     (which read row 0 instead): the call fails, as torch's embedding does."""

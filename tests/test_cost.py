@@ -79,9 +79,10 @@ def test_library_calls_are_charged_by_class():
 def test_transcendental_calls_are_weighted_by_the_profile():
     from dataclasses import replace
     from egraph_compiler.cost import PROFILES, op_flops
-    profile = replace(PROFILES["cpu"], exp_cost=3.0, tanh_cost=2.0)
+    profile = replace(PROFILES["cpu"], exp_cost=3.0, tanh_cost=2.0, trig_cost=20.0)
     assert op_flops("exp", (10,), [(10,)]) == 40  # the op table's 4 FLOPs per exp
     assert op_flops("exp", (10,), [(10,)], profile) == 120
+    assert op_flops("cos", (10,), [(10,)], profile) == 10 * 6 * 20  # cos and sin by their own measured factor
     assert op_flops("gelu_tanh", (10,), [(10,)], profile) == 10 * (12 + 6)  # its tanh's 6 FLOPs count twice
     assert op_flops("softmax", (4, 8), [(4, 8)], profile) == 32 * (7 + 8)  # its exp's 4 count three times
     assert op_flops("add", (10,), [(10,), (10,)], profile) == 10
