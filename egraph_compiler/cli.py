@@ -330,7 +330,7 @@ def profile_reset():
     typer.echo(f"removed {calibrate.reset()} cached profile(s)")
 
 
-BENCHES = ("run", "models", "kernels", "overhead", "compile_time", "cost_fidelity", "coldstart", "training",
+BENCHES = ("run", "models", "kernels", "steps", "overhead", "compile_time", "cost_fidelity", "coldstart", "training",
            "bandwidth", "remote_cache", "distributed", "regret", "calibration")
 
 

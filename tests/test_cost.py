@@ -158,3 +158,19 @@ def test_calibration_benchmark_tells_when_calibrations_plan_differently(monkeypa
         assert calibration.main(["--runs", "2", "--size", "test", "--workloads", "rmsnorm_swiglu"]) == 0
         out = capsys.readouterr().out
         assert f"| rmsnorm_swiglu | {verdict} |" in out, out
+
+
+def test_the_steps_benchmark_times_every_step_of_a_training_steps_programs(capsys):
+    """benchmarks/steps.py: a real model's forward and backward programs, every step timed alone
+    and in sequence beside its estimate, and the whole call (which holds the steps in sequence)."""
+    from benchmarks import steps
+    assert steps.main(["--models", "llama_gqa", "--size", "test", "--train", "--reps", "1", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "llama_gqa, program 0" in out and "llama_gqa, program 1" in out and "sdpa_grad_mask" in out, out
+    programs = steps.bench_model("llama_gqa", steps.parser().parse_args(["--size", "test", "--train", "--reps", "1"]))
+    assert [p["program"] for p in programs] == [0, 1]
+    for p in programs:
+        assert len(p["steps"]) >= 20, p  # (a 2-layer LLaMA's forward and backward: dozens of steps each)
+        assert all(s["alone_us"] > 0 and s["in_sequence_us"] > 0 for s in p["steps"].values()), p
+        assert p["call_us"] > 0 and p["estimated_us"] > 0
+        assert {s["kind"] for s in p["steps"].values()} == {"generated", "library"}
