@@ -2,9 +2,9 @@
 equality saturation.  See README.md for the pipeline."""
 from .api import CompiledFunction, compile, dynamo_backend, explain, last_compiled, last_plans
 from .alternatives import alternatives
-from .errors import (CaptureError, CodegenError, EagerFallbackWarning, EgraphCompilerError, InputError, OptionError,
+from .errors import (CalibrationWarning, CaptureError, CodegenError, EagerFallbackWarning, EgraphCompilerError, InputError, OptionError,
                      RuleError, ScalarMathWarning, UnsoundRuleError, UnsupportedOpError)
 
 __all__ = ["compile", "explain", "alternatives", "dynamo_backend", "last_plans", "last_compiled", "CompiledFunction", "EgraphCompilerError", "CaptureError",
            "CodegenError", "InputError", "OptionError", "RuleError", "UnsoundRuleError", "UnsupportedOpError",
-           "EagerFallbackWarning", "ScalarMathWarning"]
+           "EagerFallbackWarning", "ScalarMathWarning", "CalibrationWarning"]

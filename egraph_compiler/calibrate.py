@@ -17,11 +17,13 @@ from __future__ import annotations
 import json
 import os
 import time
+import warnings
 
 import torch
 
 from .cost import PROFILES, TRANSCENDENTAL, DeviceProfile
 from .cache import cache_dir
+from .errors import CalibrationWarning
 
 PROFILE_VERSION = 10  # (10: trig_cost)
 UNSTABLE = 1.5  # a reading whose median run is this much slower than its best was taken on a busy machine
@@ -209,6 +211,11 @@ def cpu_profile() -> DeviceProfile:
     if profile is None:
         profile = None if _refused else calibrate_cpu()
         if profile is None:  # too busy to measure now: the fixed table, not cached (measured again next process)
+            if not _refused:  # (a 16-core box's plans were priced so, unseen: BENCHMARKS.md, forty-second session)
+                warnings.warn("this CPU's cost profile could not be measured (the machine was busy: "
+                              f"{ATTEMPTS} readings were refused); plans in this process are priced by the fixed "
+                              "table `cpu-default`. Run `egc profile calibrate` on a quiet machine to cache one.",
+                              CalibrationWarning, stacklevel=2)
             _refused = True
             return PROFILES["cpu"]
     return profile

@@ -51,6 +51,11 @@ class EagerFallbackWarning(UserWarning):
     """A compiled program (or graph) ran eagerly instead: said once, never silent."""
 
 
+class CalibrationWarning(UserWarning):
+    """This CPU's cost profile could not be measured (a busy machine's readings disagreed), so
+    this process prices plans by the fixed table: said once per process, never silent."""
+
+
 class ScalarMathWarning(UserWarning):
     """Generated C++ was built without glibc's vector math (libmvec): its exp, log, tanh, erf, cos
     and sin are scalar calls, several times slower in a vector loop.  Said once per process."""

@@ -138,6 +138,23 @@ def test_a_transposing_store_is_charged_one_more_pass():
     assert extra_passes("linear", [(8, 4), (6, 4), (6,)]) == 2 and extra_passes("matmul", [(8, 4), (4, 6)]) == 0
 
 
+def test_a_refused_calibration_is_said_once_and_prices_by_the_fixed_table(monkeypatch):
+    """A machine too busy to calibrate prices its plans by the fixed table, and says so once per
+    process (CalibrationWarning): a 16-core box's LLaMA plans were the fixed table's, unseen
+    (its rotary kernels computed cos and sin per element: BENCHMARKS.md, forty-second session)."""
+    import warnings
+
+    from egraph_compiler import CalibrationWarning
+    monkeypatch.setattr(calibrate, "_refused", False)
+    monkeypatch.setattr(calibrate, "cached_cpu_profile", lambda: None)
+    monkeypatch.setattr(calibrate, "measure_cpu", lambda: None)
+    with pytest.warns(CalibrationWarning, match="egc profile calibrate"):
+        assert calibrate.cpu_profile() == calibrate.PROFILES["cpu"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert calibrate.cpu_profile() == calibrate.PROFILES["cpu"]  # (said once; not measured again)
+
+
 def test_calibration_benchmark_tells_when_calibrations_plan_differently(monkeypatch, capsys):
     """benchmarks/calibration.py compiles each workload under each calibration's profile and says
     whether the plans agree: two equal profiles agree; a second whose generated code is 10^4
