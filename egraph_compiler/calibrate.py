@@ -1,16 +1,16 @@
 """Device profiles for the cost model: the H200's measured ceilings, and this
 CPU's, calibrated on first use by a short measurement and cached on disk.
 
-The measurement (about a second, and three C++ compiles, cached): copy bandwidth
-(a 64 MB copy), the rate generated code reaches in the op table's FLOP units (a
-compiled chain of multiply-adds), what its transcendental calls cost against that
-(compiled chains of exp, of tanh and of cos and sin: `DeviceProfile.exp_cost`, `tanh_cost`,
-`trig_cost`), the
+The measurement (a few seconds, and four C++ compiles, cached): copy bandwidth (a 64 MB
+copy), the rate generated code reaches in the op table's FLOP units (a compiled chain of
+multiply-adds), what its transcendental calls cost against that (compiled chains of exp,
+of tanh and of cos and sin: `DeviceProfile.exp_cost`, `tanh_cost`, `trig_cost`), the
 library's matmul rate and its fixed cost per call (fitted to two sizes), and the fixed
-cost of one kernel call.  Each is the best of nine runs, and a
-reading whose runs disagree (the median more than 1.5x the best: the machine is
-busy) is refused: the fixed table serves that process, and the next measures
-again, so a calibration taken under load is never cached.
+cost of one kernel call.  Each is the best of nine readings, each the mean of
+back-to-back calls lasting at least READING, and a measurement whose readings disagree
+(the median more than 1.5x the best: the machine is busy) is refused: the fixed table
+serves that process (CalibrationWarning), and the next measures again, so a calibration
+taken under load is never cached.
 """
 from __future__ import annotations
 
@@ -30,15 +30,23 @@ UNSTABLE = 1.5  # a reading whose median run is this much slower than its best w
 _refused = False  # this process found the machine too busy once: the fixed table, no second attempt
 
 
+READING = 2e-3  # seconds: a reading times back-to-back calls for at least this long
+
+
 def _best_seconds(fn, repeat: int = 9) -> float:
-    """The least disturbed of several runs (a busy machine slows runs down, never
-    up); raises _Busy where the runs disagree too much for the best to be trusted."""
+    """The least disturbed of several readings (a busy machine slows runs down, never
+    up), each the mean of as many back-to-back calls as take READING (a 256-cube matmul
+    takes ~25 us on 16 cores, where one call's time is mostly its threads waking); raises
+    _Busy where the readings disagree too much for the best to be trusted."""
+    start = time.perf_counter()
     fn()
+    calls = min(1000, max(1, int(READING / max(time.perf_counter() - start, 1e-7))))
     times = []
     for _ in range(repeat):
         start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - start) / calls)
     times.sort()
     if times[len(times) // 2] > UNSTABLE * times[0]:
         raise _Busy
