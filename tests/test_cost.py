@@ -138,16 +138,23 @@ def test_a_transposing_store_is_charged_one_more_pass():
     assert extra_passes("linear", [(8, 4), (6, 4), (6,)]) == 2 and extra_passes("matmul", [(8, 4), (4, 6)]) == 0
 
 
-def test_a_short_call_is_read_in_blocks_so_its_jitter_does_not_refuse_the_machine():
+def test_a_short_call_is_read_in_blocks_so_its_jitter_does_not_refuse_the_machine(monkeypatch):
     """A call of tens of microseconds whose every other run is slower (a 256-cube matmul on 16 cores,
     its threads waking or not): one call per reading gave a median three times the best, and the
-    calibration was refused; a reading of back-to-back calls (calibrate.READING) averages them."""
-    calls = iter(range(100000))
+    calibration was refused; a reading of back-to-back calls (calibrate.READING) averages them.
+    (On a clock the calls advance themselves: real sleeps on a busy CI machine overshoot.)"""
+    import types
+    clock, calls = [0.0], iter(range(100000))
+    monkeypatch.setattr(calibrate, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
 
     def jittery():
-        time.sleep(0.0002 if next(calls) % 2 else 0.0008)
+        clock[0] += 0.0002 if next(calls) % 2 else 0.0008
     seconds = calibrate._best_seconds(jittery)
-    assert 0.0004 <= seconds <= 0.0008, seconds
+    assert seconds == pytest.approx(0.0005), seconds  # (0.8 ms first: readings of 2 calls, one of each)
+    monkeypatch.setattr(calibrate, "READING", 0.0)  # one call a reading: refused as busy, as before
+    calls = iter(range(1, 100000))  # (a fast call first, then readings of 0.8, 0.2, ... ms: the median 0.8)
+    with pytest.raises(calibrate._Busy):
+        calibrate._best_seconds(jittery)
 
 
 def test_a_refused_calibration_is_said_once_and_prices_by_the_fixed_table(monkeypatch):
