@@ -51,6 +51,7 @@ OUTPUT_TAIL = 3000  # characters of compiler output kept in an error
 builds = 0  # C++ compiles run by this process (tests and benchmarks count them)
 _fallback: Path | None = None  # the private temporary cache, made at most once per process
 _warned: set[str] = set()  # unusable cache paths already reported
+_scalar_warned = False  # a build without vector math reported (once per process)
 
 
 def compiler() -> str:
@@ -191,10 +192,11 @@ def _compile(cxx: str, source: str, tmp: Path, failed: Path) -> Path:
         return out
     # No vector math library here: plain scalar calls, said once (a rotary kernel's cos and sin
     # took ~6 ns a call on a 16-core box where exp took ~0.3: a silent build without it is a cliff)
+    global _scalar_warned
     second = _run([cxx, *CXXFLAGS, str(src), "-o", str(out)])
     if second.returncode == 0:
-        if "scalar math" not in _warned:
-            _warned.add("scalar math")
+        if not _scalar_warned:
+            _scalar_warned = True
             warnings.warn(f"generated C++ is built without glibc's vector math ({' '.join(defines + libs)} failed: "
                           f"{(first.stdout + first.stderr).strip()[-400:]}); exp, log, tanh, erf, cos and sin run as "
                           f"scalar calls", ScalarMathWarning, stacklevel=2)

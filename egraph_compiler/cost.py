@@ -172,7 +172,7 @@ def op_flops(op: str, out_shape, in_shapes, profile: DeviceProfile | None = None
     flops = _table_flops(op, out_shape, in_shapes)
     if profile is not None and op in TRANSCENDENTAL:
         kind, share = TRANSCENDENTAL[op]
-        factor = {"exp": profile.exp_cost, "tanh": profile.tanh_cost, "trig": profile.trig_cost}[kind]
+        factor = getattr(profile, f"{kind}_cost")  # (exp_cost, tanh_cost, trig_cost)
         flops *= 1 + (factor - 1) * share / ops.get(op).flops
     return flops
 

@@ -22,7 +22,7 @@ def fresh(monkeypatch, tmp_path):
     monkeypatch.setenv("EGC_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("CXX", "g++")
     monkeypatch.setattr(cache, "_fallback", None)
-    monkeypatch.setattr(cache, "_warned", set())
+    monkeypatch.setattr(cache, "_scalar_warned", False)
     (tmp_path / "tmp").mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
 
@@ -176,7 +176,7 @@ def test_retries_without_vector_math(tmp_path, monkeypatch):
     from egraph_compiler import ScalarMathWarning
     cxx = fake_compiler(tmp_path, 'case "$*" in *EGC_VECTOR_MATH*) echo "no mvec"; exit 1;; esac\nexec g++ "$@"')
     monkeypatch.setenv("CXX", cxx)
-    monkeypatch.setattr(cache, "_warned", set())
+    monkeypatch.setattr(cache, "_scalar_warned", False)
     with pytest.warns(ScalarMathWarning, match="no mvec"):
         lib, compiled_now = cache.build_shared_object(SOURCE)
     assert compiled_now and checksum_ok(lib)
