@@ -135,3 +135,21 @@ def test_associativity_picks_the_chain_the_clock_prefers():
     written = egc.compile(fn, [a, b, c], disable=["matmul_assoc"], profile="cpu")
     assert chosen.plan.cost < written.plan.cost
     assert _faster(chosen, written, (a, b, c))
+
+
+def _gelu_and_saved_tanh(x):  # GPT-2's gelu as written, and the tanh a training forward saves
+    t = torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * torch.pow(x, 3)))
+    return 0.5 * x * (1 + t), t
+
+
+@pytest.mark.parametrize("shape", [(64, 256), (7, 7), (1, 1)])
+def test_greedy_stores_an_output_that_another_kernel_computes_inline(shape):
+    """Each output priced alone takes gelu_tanh for the first and a tanh kernel for the second,
+    computing tanh twice; the kernel that computes the tanh inline and stores it costs less."""
+    x = torch.randn(*shape)
+    compiled = egc.compile(_gelu_and_saved_tanh, [x], profile="cpu-default")
+    assert compiled.plan.count("tanh") == 1 and len(compiled.plan.kernels) == 1, compiled.plan
+    assert compiled.plan.cost <= egc.compile(_gelu_and_saved_tanh, [x], profile="cpu-default",
+                                             extraction="ilp").plan.cost * (1 + 1e-9)
+    for got, want in zip(compiled(x), _gelu_and_saved_tanh(x)):
+        torch.testing.assert_close(got, want)

@@ -98,7 +98,7 @@ class KernelExtractor:
                             later.add(j)
             sweep = sorted(later)
 
-    def _body(self, en: ENode):
+    def _body(self, en: ENode, inline=None):
         group = ops.group_of(en.op)
         flops = 0.0
         if group not in ("source", "layout", "boundary", "extern"):
@@ -110,7 +110,7 @@ class KernelExtractor:
             if child in self.inline_of:
                 if ops.operand_in_memory(group, position):
                     return None
-                option = self.inl.get(self.inline_of[child])
+                option = (inline or self.inl.get)(self.inline_of[child])
                 if option is None:
                     return None
                 times = repeats(group, elements, self.numel[self.inline_of[child]])
@@ -170,7 +170,7 @@ class KernelExtractor:
             cost = kernel_cost(flops, sum(loads.values()) + self.bytes(class_id), self.profile, library=group == "library",
                                link=group == "collective", serial_bytes=extra, op=en.op)
         needed = {**needed, class_id: cost}
-        return Option(sum(needed.values()), en, needed)
+        return Option(sum(needed.values()), en, needed, body=inlined)
 
     def share_roots(self, strided: frozenset = frozenset()) -> None:
         """Each output's cheapest term is chosen as if it were alone; where it computes
@@ -180,21 +180,33 @@ class KernelExtractor:
         Only an output no other output's term reads changes (another's cost would change
         with it), so each change lowers the program's DAG cost.  A transposing view of a
         stored value is free only where eager returns the output so (`strided`: root
-        positions, Graph.output_strides); elsewhere the runtime copies it, a read and a write."""
+        positions, Graph.output_strides); elsewhere the runtime copies it, a read and a write.
+        An output's kernel may also compute inline another output that would otherwise have a
+        kernel of its own, and store it (sharing._absorb): GPT-2's gelu beside the tanh its
+        backward saves.  Its operands' inline terms are chosen again for that (`_beside`), and
+        kept where no other kernel inlines them."""
         contiguous = {r for i, r in enumerate(self.eg.roots) if i not in strided}
         roots = list(dict.fromkeys(self.eg.roots))
+        stored_by, memo = self._storable_roots(roots), {}
         users: dict[str, int] = {}  # class -> how many outputs' terms need it
         for r in roots:
             for c in self.mat[r].needed:
                 users[c] = users.get(c, 0) + 1
+        # kernels between the outputs that could store one of them beside their own output
+        sizes = {self.numel[s] for s in stored_by}
+        between = [c for c in users if c not in roots and c in self.mat and self.numel[c] in sizes
+                   and _writes(self.mat[c], self.inline_of)]
         for _ in range(3):
             changed = False
-            for r in roots:
+            for r in roots + between:
                 mine = self.mat[r].needed
 
                 def by_others(c: str) -> bool:
                     return users.get(c, 0) - (c in mine) > 0
-                if by_others(r):
+                # where another term reads this class, only its kernel may change, for one that
+                # also stores an output (the readers read the same tensor)
+                read = r not in self.eg.roots or by_others(r)
+                if read and not (stored_by and _writes(self.mat[r], self.inline_of)):
                     continue
 
                 def marginal(option: Option) -> float:
@@ -202,28 +214,97 @@ class KernelExtractor:
                     copy = (r in contiguous and ops.group_of(en.op) == "layout"
                             and not any(c in self.inline_of for c in en.children)
                             and moves_inner_dim(en.op, en.attrs, self.eg.shape[en.children[0]]))
-                    return sum(cost for c, cost in option.needed.items() if not by_others(c)) + \
+                    absorbed = sum(stored_by[s] for s in option.body if s != r and s in stored_by
+                                   and self.numel[s] == self.numel[r])
+                    if read and option is not self.mat[r] and not (absorbed and _writes(option, self.inline_of)):
+                        return math.inf
+                    return sum(cost for c, cost in option.needed.items() if c == r or not by_others(c)) - absorbed + \
                         (2 * self.bytes(r) / self.profile.bandwidth if copy else 0.0)
-                best, best_cost = self.mat[r], marginal(self.mat[r])
+                best, best_cost, chosen = self.mat[r], marginal(self.mat[r]), {}
+                beside = (lambda c: self._beside(c, stored_by, memo)) if stored_by else None
                 for en in self.eg.classes[r]:
-                    body = self._body(en) if id(en) not in self.banned else None
-                    option = self._materialised(r, en, body) if body is not None else None
-                    if option is not None and marginal(option) < best_cost - 1e-12:
-                        best, best_cost = option, marginal(option)
+                    for inline in dict.fromkeys((None, beside)):
+                        body = self._body(en, inline) if id(en) not in self.banned else None
+                        option = self._materialised(r, en, body) if body is not None else None
+                        if option is not None and marginal(option) < best_cost - 1e-12:
+                            changes = self._inline_changes(r, option.node, memo) if inline else {}
+                            if changes is not None:
+                                best, best_cost, chosen = option, marginal(option), changes
                 if best is not self.mat[r]:
                     for c in mine:
                         users[c] -= 1
                     for c in best.needed:
                         users[c] = users.get(c, 0) + 1
                     self.mat[r], changed = best, True
+                    self.inl.update(chosen)
             if not changed:
                 return
+
+    def _beside(self, c: str, stored_by: dict, memo: dict) -> Option | None:
+        """Class c's inline term where terms that compute an output of `stored_by` inline
+        are priced less what storing it saves (the output's kernel goes)."""
+        if c in memo:
+            return memo[c]
+        best = memo[c] = self.inl.get(c)  # (also the guard of a cycle through c)
+        if best is None:
+            return None
+        best_score = best.total - sum(stored_by.get(s, 0.0) for s in best.body)
+        for en in self.eg.classes[c]:
+            body = self._body(en, lambda k: self._beside(k, stored_by, memo)) if id(en) not in self.banned else None
+            if body is None or not body[3] & stored_by.keys() or ops.group_of(en.op) not in INLINE_GROUPS:
+                continue
+            flops, loads, needed, inlined, elementwise = body
+            if c in inlined or en.op in ("extern", "input"):
+                continue
+            total = sum(needed.values()) + inlined_cost(flops, sum(loads.values()), self.profile)
+            score = total - sum(stored_by.get(s, 0.0) for s in inlined)
+            if score < best_score - 1e-12:
+                best, best_score = Option(total, en, needed, flops, loads, inlined | {c}, elementwise), score
+        memo[c] = best
+        return best
+
+    def _inline_changes(self, root: str, node: ENode, memo: dict) -> dict | None:
+        """The inline terms below `node` that `_beside` chose unlike `inl`, or None where one
+        of them is also inlined by another kernel of the current program (its cost would change)."""
+        changes, stack = {}, [node]
+        while stack:
+            for child in stack.pop().children:
+                k = self.inline_of.get(child)
+                if k is None or k in changes:
+                    continue
+                option = memo.get(k, self.inl.get(k))
+                if option is not self.inl.get(k):
+                    changes[k] = option
+                stack.append(option.node)
+        if changes:
+            kernels = {c for r in self.eg.roots for c in self.mat[r].needed} - {root}
+            if any(changes.keys() & self.mat[c].body for c in kernels if c in self.mat):
+                return None
+        return changes
+
+    def _storable_roots(self, roots) -> dict[str, float]:
+        """Outputs whose kernel another kernel could replace by storing them beside its own
+        output, where it computes them inline as they would be computed alone (the same e-node,
+        so the same node once built): each with what that saves (its kernel less one store)."""
+        saved = {}
+        for s in roots:
+            mat, inl = self.mat[s], self.inl.get(s)
+            if (inl is not None and inl.node is mat.node and ops.group_of(mat.node.op) in ELEMENTWISE
+                    and any(c in self.inline_of for c in mat.node.children)):
+                saved[s] = max(0.0, mat.needed[s] - self.bytes(s) / self.profile.bandwidth)
+        return saved
 
     def cost_of(self, roots) -> float:
         used: dict[str, float] = {}
         for r in roots:
             used.update(self.mat[r].needed)
         return sum(used.values())
+
+
+def _writes(option: Option, inline_of: dict) -> bool:
+    """Whether the option is a kernel that writes its class (not an input, a constant or a view)."""
+    group = ops.group_of(option.node.op)
+    return group not in ("source", "layout") or (group == "layout" and any(c in inline_of for c in option.node.children))
 
 
 def _merged(loads: dict, more: dict, recomputed: bool) -> dict:
