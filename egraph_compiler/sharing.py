@@ -18,6 +18,8 @@ stores them once its row's reductions are done, and the kernels go.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from .cost import ELEMENTWISE, DeviceProfile, itemsize
 from .dsl.parser import FuseRule
 from .errors import CodegenError
@@ -35,33 +37,47 @@ ON_THE_WAY = ELEMENTWISE | {"boundary"}
 
 
 def share_results(plan: Plan, profile: DeviceProfile) -> Plan:
-    generated = [k for k in plan.kernels if k.kind == "generated"]
-    produced = {id(n) for k in plan.kernels for n in k.outputs}
-    seen_in: dict[int, int] = {}
-    for k in generated:
-        for n in k.ops:
-            if n is not k.output:
-                seen_in[id(n)] = seen_in.get(id(n), 0) + 1
-    candidates = [n for n in topo_order(plan.graph.outputs)
-                  if seen_in.get(id(n), 0) >= 2 and id(n) not in produced and n.group == "pointwise"]
-    for value in candidates:
-        users = [k for k in generated if any(n is value for n in k.ops) and k.output is not value]
-        # the first user that can store it (a norm's statistics, reductions before its pointwise
-        # kernel, cannot: they keep computing it), and the users after it (plan order is run order)
-        at = next((i for i, k in enumerate(users) if _storable(k, value)), len(users))
-        first, later = (users[at], users[at + 1:]) if at < len(users) else (None, [])
-        if not later:
-            continue
-        bodies = [_body(k, k.stored | {id(value)}, k.fused) for k in later]
+    """Values in run order, stored where that moves fewer bytes; then, largest values first, where
+    it costs less by the estimate (equal bytes, but the later kernels stop recomputing it: BERT's
+    bias-gradient column sum recomputed the GELU backward's erf and exp per element, beside the
+    kernel that writes that value for the GEMMs)."""
+    for by_estimate in (False, True):
+        generated = [k for k in plan.kernels if k.kind == "generated"]
+        produced = {id(n) for k in plan.kernels for n in k.outputs}
+        seen_in: dict[int, int] = {}
+        for k in generated:
+            for n in k.ops:
+                if n is not k.output:
+                    seen_in[id(n)] = seen_in.get(id(n), 0) + 1
+        candidates = [n for n in topo_order(plan.graph.outputs)
+                      if seen_in.get(id(n), 0) >= 2 and id(n) not in produced and n.group == "pointwise"]
+        for value in reversed(candidates) if by_estimate else candidates:
+            _share(value, generated, profile, by_estimate)
+    return plan
+
+
+def _share(value: Node, generated: list[Kernel], profile: DeviceProfile, by_estimate: bool) -> None:
+    users = [k for k in generated if any(n is value for n in k.ops) and k.output is not value]
+    # the first user that can store it (a norm's statistics, reductions before its pointwise
+    # kernel, cannot: they keep computing it), and the users after it (plan order is run order)
+    at = next((i for i, k in enumerate(users) if _storable(k, value)), len(users))
+    first, later = (users[at], users[at + 1:]) if at < len(users) else (None, [])
+    if not later:
+        return
+    bodies = [_body(k, k.stored | {id(value)}, k.fused) for k in later]
+    if not by_estimate:
         saved = sum(_bytes(k.inputs) - _bytes(inputs) for k, (_, inputs) in zip(later, bodies))
         if saved <= _bytes([value]):  # the store costs one write of the value
-            continue
-        first.extra_outputs.append(value)
-        estimate(first, profile)
-        for k, (body, inputs) in zip(later, bodies):
-            k.stored, k.ops, k.inputs = k.stored | {id(value)}, body, inputs
-            estimate(k, profile)
-    return plan
+            return
+    trials = [replace(first, extra_outputs=first.extra_outputs + [value])]
+    trials += [replace(k, stored=k.stored | {id(value)}, ops=body, inputs=inputs) for k, (body, inputs) in zip(later, bodies)]
+    for trial in trials:
+        estimate(trial, profile)
+    if by_estimate and sum(t.seconds for t in trials) >= first.seconds + sum(k.seconds for k in later) - 1e-12:
+        return
+    for k, trial in zip([first] + later, trials):
+        k.extra_outputs, k.stored, k.ops, k.inputs = trial.extra_outputs, trial.stored, trial.ops, trial.inputs
+        k.flops, k.bytes, k.seconds = trial.flops, trial.bytes, trial.seconds
 
 
 def _body(k: Kernel, stored: frozenset, fused: frozenset) -> tuple[list[Node], list[Node]]:

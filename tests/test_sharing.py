@@ -1,11 +1,14 @@
 """Multi-output kernels (egraph_compiler/sharing.py): a residual stream's running
 sum is stored once by the kernel that first computes it, not recomputed from
 all its terms by every later norm kernel."""
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import egraph_compiler as egc
+from egraph_compiler.cost import PROFILES
 from egraph_compiler.plan import verify_plan
 
 LAYERS = 4
@@ -269,3 +272,32 @@ def test_a_kernel_that_takes_in_row_values_stays_within_the_expression_limit(mon
         for got, want in zip(compiled(x), fn(x)):
             torch.testing.assert_close(got, want)
     assert taken(egc.compile(fn, [x])) == 0
+
+
+def gelu_backward_for_gemm_and_bias(grad, x, w):
+    """BERT's backward through GELU: the value goes to a GEMM as rows and to the bias's column sum."""
+    cdf = 0.5 * (1 + torch.erf(x * 0.7071067811865476))
+    pdf = torch.exp(-0.5 * x * x) * 0.3989422804014327
+    d = grad * (cdf + x * pdf)
+    return d.reshape(-1, x.shape[-1]) @ w, d.sum((0, 1))
+
+
+@pytest.mark.parametrize("target", ["cpu", "triton"])
+@pytest.mark.parametrize("shape, stored", [((4, 32, 64), True), ((3, 5, 5), True), ((1, 1, 8), False)])
+def test_a_value_both_kernels_compute_at_equal_bytes_is_stored_where_it_costs_less(target, shape, stored, monkeypatch):
+    """Storing it moves as many bytes as recomputing it from its two inputs, but the column sum
+    then no longer evaluates erf and exp per element: stored where transcendentals cost what they
+    cost on a 2-core Xeon (3 FLOPs of arithmetic a FLOP), recomputed where they cost no more
+    than arithmetic (the fixed table) or where the launches cost more than both (8 elements)."""
+    if target == "triton":
+        pytest.importorskip("triton")
+    torch.manual_seed(0)
+    args = [torch.randn(shape), torch.randn(shape), torch.randn(shape[-1], 16)]
+    for factor, kernels in ((1.0, 2), (3.0, 1 if stored else 2)):
+        monkeypatch.setitem(PROFILES, "cpu", replace(PROFILES["cpu"], exp_cost=factor, tanh_cost=factor))
+        compiled = egc.compile(gelu_backward_for_gemm_and_bias, args, target=target, profile="cpu-default")
+        verify_plan(compiled.plan)
+        with_erf = [k for k in compiled.plan.kernels if any(n.op == "erf" for n in k.ops)]
+        assert len(with_erf) == kernels and bool(with_erf[0].extra_outputs) == (kernels == 1), str(compiled.plan)
+    for got, want in zip(compiled(*args), gelu_backward_for_gemm_and_bias(*args)):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
