@@ -231,10 +231,11 @@ class KernelExtractor:
                             if changes is not None:
                                 best, best_cost, chosen = option, marginal(option), changes
                 if best is not self.mat[r]:
-                    for c in mine:
-                        users[c] -= 1
-                    for c in best.needed:
-                        users[c] = users.get(c, 0) + 1
+                    if r in self.eg.roots:  # (the counts are of outputs' terms)
+                        for c in mine:
+                            users[c] -= 1
+                        for c in best.needed:
+                            users[c] = users.get(c, 0) + 1
                     self.mat[r], changed = best, True
                     self.inl.update(chosen)
             if not changed:
