@@ -53,6 +53,11 @@ def interleaved(measure, variants: list[str], reps: int) -> dict[str, float]:
     return {v: statistics.median(t) for v, t in rounds.items() if t}
 
 
+def write_json(path: str, data) -> None:
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1, default=str)
+
+
 def run_models(tag: str, args, bench_model, markdown, title: str) -> int:
     """Bench each of `args.models`, print the table under `title`, write the JSON;
     exit status 0 only when every variant of every model ran and matched eager."""
@@ -67,6 +72,5 @@ def run_models(tag: str, args, bench_model, markdown, title: str) -> int:
     print(f"\n## {title}, {args.size} size, {args.device}, {args.dtype} (torch {torch.__version__})\n")
     print(markdown(rows))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1, default=str)
+        write_json(args.json, rows)
     return 0 if all(v == "ok" for r in rows for v in r["status"].values()) else 1

@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from benchmarks.common import write_json
+
 WORLD = 2
 
 
@@ -135,8 +137,7 @@ def main(argv=None) -> int:
         diffs = ", ".join(f"{r['diff'][v]:.1e}" if v in r["diff"] else "-" for v in ("inductor", "ours"))
         print(f"| {r['model']} | {r['wrapper']} | {cells} | {ratio('inductor')} | {ratio('eager')} | {diffs} |")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        write_json(args.json, rows)
     return 0
 
 

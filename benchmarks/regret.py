@@ -14,12 +14,11 @@ the clock does (Spearman).
 """
 from __future__ import annotations
 
-import json
 import sys
 
 import torch
 
-from benchmarks.common import interleaved, workload_parser
+from benchmarks.common import interleaved, workload_parser, write_json
 from benchmarks.cost_fidelity import fidelity
 from benchmarks.run import TOL, check
 from benchmarks.timing import sync, time_block
@@ -95,8 +94,7 @@ def main(argv=None) -> int:
     print(markdown(results))
     print("profile: " + "; ".join(sorted({r["profile"] for r in results})))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+        write_json(args.json, results)
     return 0
 
 

@@ -17,7 +17,6 @@ On a 16-core Xeon a LLaMA training step's backward read 6.75 ms alone and 8.65 i
 from __future__ import annotations
 
 import contextlib
-import json
 import statistics
 import sys
 import time
@@ -25,7 +24,7 @@ import time
 import torch
 
 import egraph_compiler as egc
-from benchmarks.common import model_parser
+from benchmarks.common import model_parser, write_json
 from benchmarks.models import MODELS, SIZES, make
 from benchmarks.timing import sync
 from benchmarks.training import _loss, _no_dropout
@@ -132,8 +131,7 @@ def main(argv=None) -> int:
           f"{'training' if args.train else 'inference'} (torch {torch.__version__}, {torch.get_num_threads()} threads)")
     print(markdown(programs, args.top))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(programs, f, indent=1)
+        write_json(args.json, programs)
     return 0
 
 

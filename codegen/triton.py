@@ -26,7 +26,7 @@ from egraph_compiler.loopir import (ERROR_FLAG, STASH, Acc, Affine, Load, LoopKe
 from egraph_compiler.pieces import pieces
 
 from . import triton_split, triton_staged
-from .triton_load import SIZED
+from .triton_load import SIZED, interpreted as _interpreted
 from .triton_table import FIELDS, PRELUDE, TL
 from .walker import Target, render_expr, render_index
 
@@ -275,10 +275,6 @@ def _stash_index(k: LoopKernel):
 
 def _pow2(n: int) -> int:
     return 1 << max(0, (max(n, 1) - 1).bit_length())
-
-
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def render_program(kernels: list[LoopKernel]) -> str:

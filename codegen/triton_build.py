@@ -15,7 +15,8 @@ from egraph_compiler.loopir import LoopKernel
 
 from . import triton_tune
 from .triton import _Kernel
-from .triton_load import _import, _module_path, kernel_functions, launch_options, share_triton_cache, size_params
+from .triton_load import (_import, _module_path, interpreted, kernel_functions, launch_options, share_triton_cache,
+                          size_params)
 
 WARM_MIN_KERNELS = 8  # fewer kernels compile about as fast in this process as in the workers
 
@@ -24,7 +25,7 @@ def start_workers() -> None:
     """Start this process's compile workers (triton_workers.py) while the e-graph works."""
     from .triton_launch import gpu_target
     from .triton_workers import start
-    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+    if not interpreted():
         share_triton_cache()  # (the workers take its cache manager from the environment)
         start(gpu_target())
 

@@ -19,6 +19,11 @@ from egraph_compiler.loopir import ERROR_FLAG, LoopKernel, has_gather
 
 from .sizes import Sized
 
+
+def interpreted() -> bool:
+    """Whether Triton runs kernels in its interpreter (TRITON_INTERPRET, read when triton is imported)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
 _MODULES: dict = {}  # path -> the module imported from it (its JITFunctions keep their compiled kernels)
 _WARMED: set = set()  # (module path, the sizes' specialisation) compiled ahead in this process
 
@@ -69,7 +74,7 @@ def load_module(source: str, kernels: list[LoopKernel], autotune: bool = False, 
     classes = (path, tuple(specialisation(s) for s in sizes or ()))
     if (sizes is not None and classes not in _WARMED) or compiled_now:  # (a template, sizes of a new class)
         _WARMED.add(classes)
-        if len(kernels) >= WARM_MIN_KERNELS and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        if len(kernels) >= WARM_MIN_KERNELS and not interpreted():
             warm_in_parallel(source, kernels, tune, named)
         compiled_now = True
     calls = {}

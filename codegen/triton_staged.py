@@ -7,10 +7,10 @@ gain nothing (one program per row keeps enough loads in flight), and rows of sev
 (layer_norm's weights) need a stage of each in shared memory, which does not fit."""
 from __future__ import annotations
 
-import os
-
 from egraph_compiler.cost import itemsize
 from egraph_compiler.loopir import STASH, LoopKernel, expressions, loads, variables
+
+from . import triton_load
 
 MIN_ROW = 32768
 STAGES = 3
@@ -42,7 +42,7 @@ def programs() -> int:
     """Programs of a staged kernel: one per SM of the current GPU (4 under the interpreter)."""
     if not _PROGRAMS:
         import torch
-        interpreted = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") or not torch.cuda.is_available()
+        interpreted = triton_load.interpreted() or not torch.cuda.is_available()
         _PROGRAMS.append(4 if interpreted else
                          torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count)
     return _PROGRAMS[0]
