@@ -2,6 +2,11 @@
 
     python -m benchmarks.steps [--models llama_gqa] [--size cpu] [--device cpu] [--dtype float32]
                                [--train] [--reps 7] [--top 12] [--json PATH]
+    python -m benchmarks.steps --workloads gpt_block [--size cpu] ...
+
+With `--workloads` (names from `egraph_compiler.workloads`, instead of models), each anchor
+workload is compiled by `egc.compile` and its one program measured the same way, with
+Inductor's whole call (`torch.compile`, default mode) timed beside it in the same process.
 
 The model runs through `torch.compile(backend="egraph")` (with `--train`, a training step:
 forward, loss, backward, so a forward and a backward program).  Each program is then called
@@ -28,7 +33,7 @@ from benchmarks.common import model_parser, write_json
 from benchmarks.models import MODELS, SIZES, make
 from benchmarks.timing import sync
 from benchmarks.training import _loss, _no_dropout
-from egraph_compiler import runtime
+from egraph_compiler import runtime, workloads
 from egraph_compiler.timing import kernel_times
 
 
@@ -98,6 +103,26 @@ def bench_model(name: str, args) -> list[dict]:
     return programs
 
 
+def bench_workload(name: str, args) -> list[dict]:
+    """One anchor workload's program, with Inductor's whole call beside it."""
+    fn, inputs = workloads.make(name, args.size, dtype=getattr(torch, args.dtype), device=args.device)
+    compiled, seen = egc.compile(fn, inputs), {}
+    with _arguments_recorded(seen):
+        compiled(*inputs)
+    row = program_steps(compiled._executable, seen[id(compiled._executable)], args.reps)
+    torch._dynamo.reset()
+    inductor = torch.compile(fn)
+    calls = []
+    for _ in range(args.reps + 3):
+        sync(args.device)
+        start = time.perf_counter()
+        inductor(*inputs)
+        sync(args.device)
+        calls.append(time.perf_counter() - start)
+    torch._dynamo.reset()
+    return [{"model": name, "program": 0, **row, "inductor_call_us": statistics.median(calls[3:]) * 1e6}]
+
+
 def markdown(programs: list[dict], top: int) -> str:
     lines = []
     for p in programs:
@@ -105,7 +130,8 @@ def markdown(programs: list[dict], top: int) -> str:
         sums = {key: sum(s[key] for s in steps) for key in ("estimated_us", "alone_us", "in_sequence_us")}
         lines += [f"\n### {p['model']}, program {p['program']}: {len(p['steps'])} steps; whole call "
                   f"{p['call_us']:.1f} us, steps in sequence {sums['in_sequence_us']:.1f}, alone {sums['alone_us']:.1f}, "
-                  f"estimated {sums['estimated_us']:.1f}\n",
+                  f"estimated {sums['estimated_us']:.1f}"
+                  + (f"; Inductor's whole call {p['inductor_call_us']:.1f} us" if "inductor_call_us" in p else "") + "\n",
                   "| step | kind | op | shape | estimated us | alone us | in sequence us |", "|---|---|---|---|---|---|---|"]
         ranked = sorted(p["steps"].items(), key=lambda kv: -kv[1]["in_sequence_us"])[:top]
         lines += [f"| {step} | {s['kind']} | {s['op']} | {s['shape']} | {s['estimated_us']:.1f} | {s['alone_us']:.1f} | "
@@ -117,13 +143,18 @@ def parser():
     options = model_parser(__doc__, "llama_gqa", reps=7)
     options.add_argument("--train", action="store_true", help="a training step's forward and backward programs")
     options.add_argument("--top", type=int, default=12, help="steps listed per program (by time in sequence)")
+    options.add_argument("--workloads", default="", help="anchor workloads instead of models (e.g. gpt_block)")
     return options
 
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     programs = []
-    for name in args.models.split(","):
+    for name in filter(None, args.workloads.split(",")):
+        if name not in workloads.NAMES:
+            raise SystemExit(f"steps: unknown workload {name!r} (known: {', '.join(workloads.NAMES)})")
+        programs += bench_workload(name, args)
+    for name in ([] if args.workloads else args.models.split(",")):
         if name not in MODELS:
             raise SystemExit(f"steps: unknown model {name!r} (known: {', '.join(MODELS)})")
         programs += bench_model(name, args)

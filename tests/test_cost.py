@@ -210,3 +210,18 @@ def test_the_steps_benchmark_times_every_step_of_a_training_steps_programs(capsy
         assert all(s["alone_us"] > 0 and s["in_sequence_us"] > 0 for s in p["steps"].values()), p
         assert p["call_us"] > 0 and p["estimated_us"] > 0
         assert {s["kind"] for s in p["steps"].values()} == {"generated", "library"}
+
+
+def test_the_steps_benchmark_times_an_anchor_workloads_steps_beside_inductors_call(capsys):
+    """`benchmarks.steps --workloads`: gpt_block's one program step by step (four GEMMs, sdpa,
+    the norms and GELU generated), with Inductor's whole call timed beside it."""
+    from benchmarks import steps
+    assert steps.main(["--workloads", "gpt_block", "--size", "test", "--reps", "1", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "gpt_block, program 0" in out and "Inductor's whole call" in out, out
+    [p] = steps.bench_workload("gpt_block", steps.parser().parse_args(["--size", "test", "--reps", "1"]))
+    assert p["inductor_call_us"] > 0 and p["call_us"] > 0
+    kinds = [s["kind"] for s in p["steps"].values()]
+    assert kinds.count("library") >= 4 and "generated" in kinds, p
+    with pytest.raises(SystemExit, match="unknown workload"):
+        steps.main(["--workloads", "gpt_blok"])
