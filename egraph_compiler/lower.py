@@ -62,7 +62,8 @@ def lower_kernel(kernel: Kernel, buffer_names: dict[int, str], exact_mean: bool 
         if reduce_root or kernel.extra_outputs or kernel.order[-1] != len(domain) - 1:
             raise CodegenError(f"{kernel.name}: a storage order for a kernel that is not elementwise")
         stored = tuple(domain[d] for d in kernel.order)
-        lowering = _Lowering(stored, inner_dims, buffer_names, exact_mean, kernel.stored, kernel.fused)
+        inner_stored = tuple(sorted(kernel.order.index(d) for d in inner_dims))  # (a row's dims, where stored)
+        lowering = _Lowering(stored, inner_stored, buffer_names, exact_mean, kernel.stored, kernel.fused)
         at = [lowering.index[kernel.order.index(d)] for d in range(len(domain))]
         value, out_index = lowering.compute(tree, at), linear_index(lowering.index, stored)
     elif reduce_root:
@@ -98,7 +99,7 @@ def lower_kernel(kernel: Kernel, buffer_names: dict[int, str], exact_mean: bool 
 
 def probe(kernel: Kernel):
     """The kernel's value at a symbolic index (variable `d<k>` for dim k, loads named "?"), or
-    None where it has reductions or cannot be lowered."""
+    None where it has reductions (a row composite's too, once expanded) or cannot be lowered."""
     try:
         tree, domain, _ = _layout(kernel.output, False, kernel.fused)
     except (IllegalKernel, CodegenError):
@@ -106,7 +107,8 @@ def probe(kernel: Kernel):
     if tree.group == "reduction" or any(n.group == "reduction" for n in kernel.ops):
         return None
     lowering = _Lowering(domain, None, {}, False, kernel.stored, kernel.fused)
-    return lowering.compute(tree, lowering.index)
+    value = lowering.compute(tree, lowering.index)
+    return None if lowering.found else value
 
 
 def _layout(root: Node, exact_mean: bool = False, fused: frozenset = frozenset()):

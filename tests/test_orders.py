@@ -133,3 +133,33 @@ def test_a_value_something_else_reads_stays_row_major(fn):
         for n in k.inputs:
             assert id(n) not in ordered or (k.output.op == "sdpa" and any(a is n for a in k.output.args[:3])), k
     assert bool(ordered) == (fn is not returned_too)
+
+
+def _normed_heads(x):  # (soak, seed 44002: a row normalised, then viewed as heads for attention)
+    t = F.rms_norm(x, x.shape[-1:], eps=1.0).unflatten(-1, (2, x.shape[-1] // 2)).transpose(1, 2)
+    return F.scaled_dot_product_attention(torch.tanh(t) * 2, t, t)
+
+
+def _softmaxed_heads(x):
+    t = torch.softmax(x, -1).unflatten(-1, (2, x.shape[-1] // 2)).transpose(1, 2)
+    return F.scaled_dot_product_attention(t * 2, t, t)
+
+
+@pytest.mark.parametrize("target", ["cpu", "triton"])
+@pytest.mark.parametrize("fn", [_normed_heads, _softmaxed_heads])
+@pytest.mark.parametrize("shape", [(2, 16, 16), (1, 5, 8), (3, 1, 32)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("forced", [False, True], ids=["chosen", "forced"])
+def test_a_row_kernel_read_by_attention_lowers_in_any_storage_order(target, fn, shape, forced, monkeypatch):
+    """A kernel whose rows (a norm's or softmax's, over the last dim) are read as heads by attention.
+    Its rows lie across two dims of its output ([B, 2, S, D/2]).  Chosen: no storage order (the
+    row kernel's probe has reductions), where the probe missed a composite's, set [B, S, 2, D/2],
+    and lowering's loops over the row then ran along the wrong dims ("row position varies along
+    the inner loop": seed 44002, both targets).  Forced: that order set anyway, and the rows found
+    where they are stored."""
+    from egraph_compiler import orders
+    if forced:
+        monkeypatch.setattr(orders, "read_order", lambda kernel: (0, 2, 1, 3))
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
+    compiled = egc.compile(fn, [x], target=target, profile="cpu-default")
+    torch.testing.assert_close(compiled(x), fn(x), rtol=1e-4, atol=1e-5)
+    assert (STORED in str(compiled.plan)) == forced, compiled.plan
