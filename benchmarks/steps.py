@@ -24,14 +24,13 @@ from __future__ import annotations
 import contextlib
 import statistics
 import sys
-import time
 
 import torch
 
 import egraph_compiler as egc
 from benchmarks.common import model_parser, write_json
 from benchmarks.models import MODELS, SIZES, make
-from benchmarks.timing import sync
+from benchmarks.timing import time_block
 from benchmarks.training import _loss, _no_dropout
 from egraph_compiler import runtime, workloads
 from egraph_compiler.timing import kernel_times
@@ -57,13 +56,7 @@ def program_steps(executable, args, reps: int) -> dict:
     device = executable.target.device
     alone = kernel_times(executable, args, reps=reps, inner=5)
     in_sequence = kernel_times(executable, args, reps=reps, inner=1)
-    calls = []
-    for _ in range(reps + 1):
-        sync(device)
-        start = time.perf_counter()
-        executable(*args)
-        sync(device)
-        calls.append(time.perf_counter() - start)
+    call = _median_call(executable, args, device, reps, warm=1)
     estimate: dict[str, float] = {}
     first: dict[str, object] = {}
     for k in executable.plan.kernels:  # (a horizontal group is one step: its kernels' estimates summed)
@@ -73,7 +66,7 @@ def program_steps(executable, args, reps: int) -> dict:
     steps = {step: {"kind": k.kind, "op": k.output.op, "shape": list(k.output.shape),
                     "estimated_us": estimate[step] * 1e6, "alone_us": alone.get(step, 0.0) * 1e6,
                     "in_sequence_us": in_sequence.get(step, 0.0) * 1e6} for step, k in first.items()}
-    return {"call_us": statistics.median(calls[1:]) * 1e6, "estimated_us": executable.plan.cost * 1e6,
+    return {"call_us": call * 1e6, "estimated_us": executable.plan.cost * 1e6,
             "steps": steps}
 
 
@@ -111,16 +104,16 @@ def bench_workload(name: str, args) -> list[dict]:
         compiled(*inputs)
     row = program_steps(compiled._executable, seen[id(compiled._executable)], args.reps)
     torch._dynamo.reset()
-    inductor = torch.compile(fn)
-    calls = []
-    for _ in range(args.reps + 3):
-        sync(args.device)
-        start = time.perf_counter()
-        inductor(*inputs)
-        sync(args.device)
-        calls.append(time.perf_counter() - start)
+    inductor = _median_call(torch.compile(fn), inputs, args.device, args.reps, warm=3)
     torch._dynamo.reset()
-    return [{"model": name, "program": 0, **row, "inductor_call_us": statistics.median(calls[3:]) * 1e6}]
+    return [{"model": name, "program": 0, **row, "inductor_call_us": inductor * 1e6}]
+
+
+def _median_call(fn, args, device: str, reps: int, warm: int) -> float:
+    """Seconds of one whole call, the median of `reps` after `warm` untimed calls."""
+    for _ in range(warm):
+        fn(*args)
+    return statistics.median(time_block(fn, args, 1, device) for _ in range(reps))
 
 
 def markdown(programs: list[dict], top: int) -> str:

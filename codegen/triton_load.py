@@ -24,6 +24,7 @@ def interpreted() -> bool:
     """Whether Triton runs kernels in its interpreter (TRITON_INTERPRET, read when triton is imported)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
+
 _MODULES: dict = {}  # path -> the module imported from it (its JITFunctions keep their compiled kernels)
 _WARMED: set = set()  # (module path, the sizes' specialisation) compiled ahead in this process
 

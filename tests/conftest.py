@@ -39,3 +39,11 @@ def _fallbacks_warned_afresh(monkeypatch):
     none warned, so a test that expects the warning does not depend on which test ran first."""
     from egraph_compiler import pipeline
     monkeypatch.setattr(pipeline, "_warned", set())
+
+
+@pytest.fixture
+def as_on_a_gpu(monkeypatch):
+    """The Triton renderer writes its source as for a GPU (Triton's interpreter still runs the kernels):
+    under the interpreter a row's independent sums stay apart (codegen/triton.py)."""
+    from egraph_compiler.codegen import triton as renderer
+    monkeypatch.setattr(renderer, "_interpreted", lambda: False)

@@ -39,10 +39,9 @@ def golden_text(name: str, target: str) -> str:
 
 @pytest.mark.parametrize("target", ["cpu", "triton"])
 @pytest.mark.parametrize("name", workloads.NAMES)
-def test_levels_match_golden_text(name, target, request, monkeypatch):
+def test_levels_match_golden_text(name, target, request):
     if target == "triton":  # the source as for a GPU (the interpreter's row sums stay apart: codegen/triton.py)
-        from egraph_compiler.codegen import triton as renderer
-        monkeypatch.setattr(renderer, "_interpreted", lambda: False)
+        request.getfixturevalue("as_on_a_gpu")
     path = GOLDEN / f"{name}.{target}.txt"
     text = golden_text(name, target)
     if request.config.getoption("--update-golden"):

@@ -183,17 +183,10 @@ def test_long_half_precision_rows_loop_with_staged_loads():
     assert "num_stages" not in egc.compile(ln, [x, w, b], target="triton").source
 
 
-def _as_on_a_gpu(monkeypatch):
-    """Render as for a GPU (Triton's interpreter still runs the kernels)."""
-    from egraph_compiler.codegen import triton as renderer
-    monkeypatch.setattr(renderer, "_interpreted", lambda: False)
-
-
-def test_a_rows_independent_sums_are_one_reduction(monkeypatch):
+def test_a_rows_independent_sums_are_one_reduction(as_on_a_gpu):
     """layer_norm's centred sum and sum of squares, on a row kept in registers, reduce as one
     tuple on a GPU (one tree, the same order as two tl.sum); a constant row far from 0 stays exactly
     centred, and a row far from 0 no further off float64 than eager."""
-    _as_on_a_gpu(monkeypatch)
     torch.manual_seed(0)
     x = torch.randn(3, 1000) + torch.tensor([[0.0], [500.0], [-800.0]])
     x[0] = 7.3
@@ -208,14 +201,13 @@ def test_a_rows_independent_sums_are_one_reduction(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_long_rows_moments_centre_a_constant_row_and_keep_their_digits(dtype, monkeypatch):
+def test_long_rows_moments_centre_a_constant_row_and_keep_their_digits(dtype, as_on_a_gpu):
     """layer_norm over rows of 16384 kept in registers takes the mean, then the centred sum and
     squares as one tuple reduction (the form every row length uses: the chunked form of the
     twenty-fourth session ran at 1% of the copy bandwidth on an H100 and was removed): a constant
     row far from 0 comes out as b, rows with means of +-1000 and deviations of 1 are no further off
     float64 than eager (float32), and the kernel compiles for sm_90."""
     from egraph_compiler.codegen.triton_build import compile_for_gpu
-    _as_on_a_gpu(monkeypatch)
     torch.manual_seed(0)
     length = 16384
     x = torch.randn(4, length, dtype=torch.float64) + torch.linspace(-1000, 1000, 4, dtype=torch.float64)[:, None]
