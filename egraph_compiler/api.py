@@ -92,7 +92,7 @@ def compile(fn, example_inputs, *, target=None, rules=(), disable=(), unsafe=Fal
             iter_limit=30, node_limit=50_000, time_limit=10.0, strict=False, extraction="greedy",
             ilp_time_limit=5.0, profile=None, dot=False, trust_rules=False, cuda_graphs=False,
             alias_inputs=False, progress=None, report=None, keep_egraph=False, cache=None,
-            lend_outputs=None, autotune=False) -> CompiledFunction:
+            lend_outputs=None, autotune=False, keep_buffers=True) -> CompiledFunction:
     """Compile a function or nn.Module for inputs shaped like `example_inputs`.
 
     rules: extra rule files (paths) or rule text added to the library.
@@ -130,6 +130,10 @@ def compile(fn, example_inputs, *, target=None, rules=(), disable=(), unsafe=Fal
     cache: the shared compile cache, "redis://HOST:PORT/DB" (default: the
     EGC_REMOTE_CACHE environment variable; False: none): built C++ libraries are
     fetched from it instead of compiled, and stored there after a build (remote.py).
+    keep_buffers: a CPU program keeps the buffers it allocates and releases within a
+    call for its next call (never one a result or a view handed out still holds), so
+    their pages do not fault in again each call; False gives them back every call
+    (wrapper.KeptBuffers).
     """
     example_inputs = _check_examples(example_inputs)
     if extraction not in ("greedy", "ilp"):
@@ -138,11 +142,11 @@ def compile(fn, example_inputs, *, target=None, rules=(), disable=(), unsafe=Fal
                       profile=profile, extraction=extraction, ilp_time_limit=ilp_time_limit, dot=dot,
                       trust_rules=trust_rules, cuda_graphs=cuda_graphs, alias_inputs=alias_inputs, progress=progress,
                       keep_egraph=bool(keep_egraph or report or os.environ.get(REPORT_ENV)), cache=cache,
-                      lend_outputs=lend_outputs, autotune=autotune)
+                      lend_outputs=lend_outputs, autotune=autotune, keep_buffers=keep_buffers)
     kwargs = dict(target=target, rules=rules, disable=disable, unsafe=unsafe, iter_limit=iter_limit,
                   node_limit=node_limit, time_limit=time_limit, strict=strict, extraction=extraction,
                   ilp_time_limit=ilp_time_limit, profile=profile, trust_rules=trust_rules, cuda_graphs=cuda_graphs,
-                  alias_inputs=alias_inputs, cache=cache, autotune=autotune)
+                  alias_inputs=alias_inputs, cache=cache, autotune=autotune, keep_buffers=keep_buffers)
     compiled = CompiledFunction(*run_pipeline(fn, example_inputs, options), fn=fn, options=kwargs)
     if report:
         compiled.write_report(report)

@@ -62,6 +62,7 @@ class Options:
     progress: object = None  # progress(iterations, e-nodes, seconds) after each saturation iteration
     keep_egraph: bool = False  # keep the captured graph, e-classes and rules in Levels (for reports)
     cache: object = None  # the shared compile cache: a redis:// URL, False (none), None (EGC_REMOTE_CACHE)
+    keep_buffers: bool = True  # a CPU program keeps its transient buffers between calls (wrapper.KeptBuffers)
 
 
 @dataclass
@@ -122,7 +123,7 @@ def lower_and_load(plan: Plan, rules, target, options: Options, levels: Levels) 
     with remote.using(options.cache):
         executable = Executable(plan, levels.source, loops, buffer_names, target, cuda_graphs=options.cuda_graphs,
                                 aliases=aliases, lend_outputs=options.lend_outputs,
-                                autotune=options.autotune)
+                                autotune=options.autotune, keep_buffers=options.keep_buffers)
     if executable.sizes is not None:  # a template's build, serving programs of other sizes (codegen/sizes.py)
         levels.source = target.sized.note(executable.sizes) + executable.source
     levels.wrapper = executable.wrapper.source

@@ -20,7 +20,7 @@ from .graphs import GraphedRunner, recorder_for
 from .outputs import COPY, Assembly, flat_sequence, whole_buffer
 from .plan import Plan, release_schedule, verify_plan
 from .steps import TorchSteps, torch_dtype
-from .wrapper import exec_wrapper, straight_line
+from .wrapper import KeptBuffers, exec_wrapper, straight_line
 
 
 class Executable:
@@ -28,12 +28,14 @@ class Executable:
 
     def __init__(self, plan: Plan, source: str, loops, buffer_names: dict[int, str], target,
                  cuda_graphs: bool = False, aliases: dict[str, str] | None = None, lend_outputs=None,
-                 autotune: bool = False):
+                 autotune: bool = False, keep_buffers: bool = True):
         """`loops`: every generated kernel's loop IR; `aliases`: kernel name -> the kernel
         whose compiled code runs it (codegen.walker.unique_kernels), not in `source`;
         `lend_outputs`: with CUDA graphs, the result positions from which on outputs are
         handed out as the graph's own buffers (graphs.py: a training forward's saved
-        activations); `autotune`: a target that tunes its kernels' launches does."""
+        activations); `autotune`: a target that tunes its kernels' launches does;
+        `keep_buffers`: a CPU program keeps its transient buffers for its next call
+        (wrapper.KeptBuffers)."""
         self.plan = plan
         self.graph: Graph = plan.graph
         self.target = target
@@ -63,6 +65,7 @@ class Executable:
                           + [id(n) for n in nodes.values() if id(n) not in ordered])
         computed = frozenset(id(n) for k in plan.kernels for n in k.outputs)
         self.steps = TorchSteps(target.device, dense, computed)  # library calls, fallbacks and views (steps.py)
+        self.kept = KeptBuffers() if keep_buffers and target.device == "cpu" and not cuda_graphs else None
         self.wrapper = straight_line(self, {lk.name: lk for lk in loops}, nodes, release)
         self._run = self._runner(self.wrapper.names)
         bound = self.graph.bound

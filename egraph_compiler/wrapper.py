@@ -4,6 +4,7 @@ one line per kernel launch, allocation and release, made once per program from i
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -33,7 +34,10 @@ def straight_line(executable, loops_by_name: dict, nodes: dict, release) -> Wrap
     allocations = allocated(plan, loops_by_name, nodes, target)
     reuse = reused_buffers(plan, allocations, release)
     handed = {old for old, _ in reuse.values()}  # (released by the value that takes its buffer over)
-    lines = ["def run(env):"]
+    kept = executable.kept  # (a CPU program's transient buffers, kept for its next call: KeptBuffers)
+    lines = ["def run(env):"] + (["    _kept, _new = _take(), {}"] if kept is not None else [])
+    if kept is not None:
+        names["_take"], names["_keep"] = kept.take, kept.keep
     dense = set(executable.steps.dense)  # values held contiguous, of their node's shape
     generated_reads = {id(i) for k in plan.kernels if k.kind == "generated" for i in k.inputs}
     for i, node in enumerate(plan.graph.inputs):
@@ -52,7 +56,8 @@ def straight_line(executable, loops_by_name: dict, nodes: dict, release) -> Wrap
             else:
                 names[f"_empty_{name}"] = empty(node.shape, torch_dtype(node.dtype), target.device,
                                                 _stride(kernel, node))
-                lines.append(f"    {name} = _empty_{name}()")
+                lines.append(f"    {name} = _new['{name}'] = _kept.pop('{name}') if '{name}' in _kept else _empty_{name}()"
+                             if kept is not None else f"    {name} = _empty_{name}()")
         if kernel.kind == "generated" and kernel.loop_nest:
             pass  # computed by its sibling's loop nest
         elif kernel.kind == "generated":
@@ -106,7 +111,8 @@ def straight_line(executable, loops_by_name: dict, nodes: dict, release) -> Wrap
             lines.append(f"    del {', '.join(dead)}")
     released = {id(n) for step in release for n in step}
     live = [(key, name) for key, name in local.items() if key not in released]
-    lines.append("    return {" + ", ".join(f"{key}: {name}" for key, name in live) + "}")
+    result = "{" + ", ".join(f"{key}: {name}" for key, name in live) + "}"
+    lines += [f"    _r = {result}", "    _keep(_new)", "    return _r"] if kept is not None else [f"    return {result}"]
     return Wrapper("\n".join(lines), names)
 
 
@@ -260,3 +266,50 @@ def exec_wrapper(source: str, names: dict):
     scope = dict(names)
     exec(compile(source, "<egraph-compiler wrapper>", "exec"), scope)
     return scope["run"]
+
+class KeptBuffers:
+    """A CPU program's transient buffers (those it allocates and releases within a call), kept
+    for its next call, as the CUDA caching allocator keeps a GPU's blocks.  On a CPU each fresh
+    buffer is a malloc whose pages, where glibc has handed the heap's top back, fault in again
+    inside the kernel that first writes them: a LLaMA training step at --size cpu took ~1,200
+    page faults on 2 cores (Inductor's ~20), most in the backward's SwiGLU loop nests, whose
+    outputs are the call's first allocations (BENCHMARKS.md, forty-fifth session).
+
+    A call takes a set of buffers (`take`; an empty one when another call holds the last) and
+    gives back those it allocated (`keep`).  A buffer is kept only where nothing but this set
+    holds it when the call ends: no Python reference (an output, the steps' memo), no view of
+    it (a view holds its storage; in inference mode a view does not hold the tensor itself), so
+    no value handed out of a call is ever written by a later one.  At most LIMIT sets are kept
+    (calls from several threads at once each need their own)."""
+    LIMIT = 2
+    _uses = getattr(torch._C, "_storage_Use_Count", None)
+
+    def __init__(self):
+        self.sets: list[dict] = []
+
+    def take(self) -> dict:
+        try:
+            return self.sets.pop()
+        except IndexError:
+            return {}
+
+    def keep(self, new: dict) -> None:
+        if self._uses is None or len(self.sets) >= self.LIMIT:
+            return
+        self.sets.append({name: new[name] for name in new if self._alone(new, name)})
+
+    @classmethod
+    def _alone(cls, held: dict, name: str) -> bool:
+        t = held[name]
+        return _references(held, name) == cls._ALONE and t._use_count() == 1 and \
+            cls._uses(t.untyped_storage()._cdata) == 2
+
+
+def _references(held: dict, name: str) -> int:
+    """Python's references to a held tensor, counted from here (`held`, `_alone`'s `t`, this
+    frame's `t`, getrefcount's argument): _ALONE where nothing else holds it."""
+    t = held[name]
+    return sys.getrefcount(t)
+
+
+KeptBuffers._ALONE = _references({"probe": torch.empty(0)}, "probe") + 1  # (+ `_alone`'s own `t`)

@@ -151,3 +151,73 @@ def test_cpu_products_of_matrices_write_into_the_wrappers_buffers(dtype, m, k, n
     for args in ([a, b, x3, w], [a, b, strided, w], [a * 3, b, x3 + 1, w]):
         for got, want in zip(compiled(*args), products(*args)):
             torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+# -- buffers kept between calls (wrapper.KeptBuffers) -------------------------------------
+
+def staged(x, w):
+    return torch.relu(torch.softmax(x * 2, -1) @ w) + 1  # the softmax's buffer lives within a call
+
+
+def kept_names(compiled) -> set:
+    return {name for kept in compiled._executable.kept.sets for name in kept}
+
+
+@pytest.mark.parametrize("target", ["cpu", "triton"])  # (Triton's interpreter: CPU memory too)
+def test_a_cpu_programs_transient_buffer_is_kept_for_its_next_call(target):
+    x, w = torch.randn(64, 48), torch.randn(48, 32)
+    compiled = egc.compile(staged, [x, w], target=target)
+    assert "_keep(_new)" in compiled.levels.wrapper
+    first = compiled(x, w)
+    held = compiled._executable.kept.sets[0]
+    assert held, compiled.levels.wrapper  # the softmax's buffer
+    pointers = {name: t.data_ptr() for name, t in held.items()}
+    second_x = torch.randn(64, 48)
+    second = compiled(second_x, w)
+    torch.testing.assert_close(first, staged(x, w))
+    torch.testing.assert_close(second, staged(second_x, w))
+    again = compiled._executable.kept.sets[0]
+    assert {name: t.data_ptr() for name, t in again.items()} == pointers  # the same memory, taken again
+    assert all(t.data_ptr() != first.data_ptr() for t in again.values())  # never a result's
+
+
+def returned_views(x):
+    a = torch.softmax(x * 2, -1)
+    return a.t(), a[1:3], torch.softmax(a, 0) * 3  # views of a buffer, handed out
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_a_buffer_a_handed_out_view_holds_is_never_kept(mode):
+    x = torch.randn(24, 20)
+    compiled = egc.compile(returned_views, [x])
+    with getattr(torch, mode)():
+        first = compiled(x)
+        copies = [t.clone() for t in first]
+        for _ in range(3):
+            compiled(torch.randn(24, 20))  # later calls write none of the first call's results
+    for got, want, ref in zip(first, copies, returned_views(x)):
+        assert torch.equal(got, want)
+        torch.testing.assert_close(got, ref)
+    pointers = {p for t in first for p in (t.data_ptr(), t.untyped_storage().data_ptr())}
+    assert not {t.untyped_storage().data_ptr() for t in compiled._executable.kept.sets[0].values()} & pointers
+
+
+def test_calls_from_several_threads_each_take_their_own_buffers():
+    from concurrent.futures import ThreadPoolExecutor
+    w = torch.randn(48, 32)
+    compiled = egc.compile(staged, [torch.randn(64, 48), w])
+    xs = [torch.randn(64, 48) for _ in range(16)]
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda x: [compiled(x, w) for _ in range(20)][-1], xs))
+    for x, got in zip(xs, results):
+        torch.testing.assert_close(got, staged(x, w))
+    assert len(compiled._executable.kept.sets) <= compiled._executable.kept.LIMIT
+
+
+def test_keep_buffers_false_gives_them_back_every_call():
+    x, w = torch.randn(64, 48), torch.randn(48, 32)
+    off = egc.compile(staged, [x, w], keep_buffers=False)
+    assert off._executable.kept is None and "_keep" not in off.levels.wrapper
+    torch.testing.assert_close(off(x, w), staged(x, w))
+    model = torch.compile(lambda x, w: staged(x, w), backend="egraph", options={"keep_buffers": False})
+    torch.testing.assert_close(model(x, w), staged(x, w))
