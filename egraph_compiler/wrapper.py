@@ -37,7 +37,7 @@ def straight_line(executable, loops_by_name: dict, nodes: dict, release) -> Wrap
     kept = executable.kept  # (a CPU program's transient buffers, kept for its next call: KeptBuffers)
     lines = ["def run(env):"] + (["    _kept, _new = _take(), {}"] if kept is not None else [])
     if kept is not None:
-        names["_take"], names["_keep"] = kept.take, kept.keep
+        names["_take"], names["_keep"], names["_alone"] = kept.take, kept.keep, kept.alone
     dense = set(executable.steps.dense)  # values held contiguous, of their node's shape
     generated_reads = {id(i) for k in plan.kernels if k.kind == "generated" for i in k.inputs}
     for i, node in enumerate(plan.graph.inputs):
@@ -56,7 +56,7 @@ def straight_line(executable, loops_by_name: dict, nodes: dict, release) -> Wrap
             else:
                 names[f"_empty_{name}"] = empty(node.shape, torch_dtype(node.dtype), target.device,
                                                 _stride(kernel, node))
-                lines.append(f"    {name} = _new['{name}'] = _kept.pop('{name}') if '{name}' in _kept else _empty_{name}()"
+                lines.append(f"    {name} = _new['{name}'] = _kept.pop('{name}') if _alone(_kept, '{name}') else _empty_{name}()"
                              if kept is not None else f"    {name} = _empty_{name}()")
         if kernel.kind == "generated" and kernel.loop_nest:
             pass  # computed by its sibling's loop nest
@@ -268,19 +268,22 @@ def exec_wrapper(source: str, names: dict):
     return scope["run"]
 
 class KeptBuffers:
-    """A CPU program's transient buffers (those it allocates and releases within a call), kept
-    for its next call, as the CUDA caching allocator keeps a GPU's blocks.  On a CPU each fresh
-    buffer is a malloc whose pages, where glibc has handed the heap's top back, fault in again
-    inside the kernel that first writes them: a LLaMA training step at --size cpu took ~1,200
-    page faults on 2 cores (Inductor's ~20), most in the backward's SwiGLU loop nests, whose
-    outputs are the call's first allocations (BENCHMARKS.md, forty-fifth session).
+    """A CPU program's buffers, kept for its next call, as the CUDA caching allocator keeps a
+    GPU's blocks.  On a CPU each fresh buffer is a malloc whose pages, where glibc has handed the
+    heap's top back, fault in again inside the kernel that first writes them: a LLaMA training
+    step at --size cpu took ~1,200-3,000 page faults on 2 cores (Inductor's ~20-120), in the
+    backward's SwiGLU loop nests (the call's first allocations) and in the GEMMs writing the
+    activations the forward saves (BENCHMARKS.md, forty-fifth session).
 
-    A call takes a set of buffers (`take`; an empty one when another call holds the last) and
-    gives back those it allocated (`keep`).  A buffer is kept only where nothing but this set
-    holds it when the call ends: no Python reference (an output, the steps' memo), no view of
-    it (a view holds its storage; in inference mode a view does not hold the tensor itself), so
-    no value handed out of a call is ever written by a later one.  At most LIMIT sets are kept
-    (calls from several threads at once each need their own)."""
+    A call takes a set of the buffers earlier calls allocated (`take`; an empty one when other
+    calls hold the others) and, at its end, hands in those it allocated (`keep`), results and
+    saved activations included.  A buffer of the set is written again only where nothing but
+    the set holds it when the call takes it (`alone`): no Python reference (the caller's result,
+    a list of them), no tensor sharing it (a view holds its storage; autograd's saved tensors
+    and views hold the tensor itself; in inference mode a view holds only the storage).  So a
+    value handed out is never written while anyone can see it: a training step's activations
+    are taken again once backward has let them go, a result the caller still holds is not.
+    At most LIMIT sets are kept (calls from several threads at once each need their own)."""
     LIMIT = 2
     _uses = getattr(torch._C, "_storage_Use_Count", None)
 
@@ -294,22 +297,22 @@ class KeptBuffers:
             return {}
 
     def keep(self, new: dict) -> None:
-        if self._uses is None or len(self.sets) >= self.LIMIT:
-            return
-        self.sets.append({name: new[name] for name in new if self._alone(new, name)})
+        if len(self.sets) < self.LIMIT:
+            self.sets.append(new)
 
     @classmethod
-    def _alone(cls, held: dict, name: str) -> bool:
-        t = held[name]
-        return _references(held, name) == cls._ALONE and t._use_count() == 1 and \
-            cls._uses(t.untyped_storage()._cdata) == 2
+    def alone(cls, held: dict, name: str) -> bool:
+        """Whether `held[name]` exists and nothing else holds it or its memory."""
+        t = held.get(name)
+        return t is not None and cls._uses is not None and _references(held, name) == cls._ALONE \
+            and t._use_count() == 1 and cls._uses(t.untyped_storage()._cdata) == 2
 
 
 def _references(held: dict, name: str) -> int:
-    """Python's references to a held tensor, counted from here (`held`, `_alone`'s `t`, this
+    """Python's references to a held tensor, counted from here (`held`, `alone`'s `t`, this
     frame's `t`, getrefcount's argument): _ALONE where nothing else holds it."""
     t = held[name]
     return sys.getrefcount(t)
 
 
-KeptBuffers._ALONE = _references({"probe": torch.empty(0)}, "probe") + 1  # (+ `_alone`'s own `t`)
+KeptBuffers._ALONE = _references({"probe": torch.empty(0)}, "probe") + 1  # (+ `alone`'s own `t`)
