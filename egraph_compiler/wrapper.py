@@ -280,9 +280,11 @@ class KeptBuffers:
     saved activations included.  A buffer of the set is written again only where nothing but
     the set holds it when the call takes it (`alone`): no Python reference (the caller's result,
     a list of them), no tensor sharing it (a view holds its storage; autograd's saved tensors
-    and views hold the tensor itself; in inference mode a view holds only the storage).  So a
-    value handed out is never written while anyone can see it: a training step's activations
-    are taken again once backward has let them go, a result the caller still holds is not.
+    and views hold the tensor itself; in inference mode a view holds only the storage), and
+    its storage still of its size (FSDP2 frees the gradients it has reduced by resizing their
+    storage to 0 bytes).  So a value handed out is never written while anyone can see it: a
+    training step's activations are taken again once backward has let them go, a result the
+    caller still holds is not.
     At most LIMIT sets are kept (calls from several threads at once each need their own)."""
     LIMIT = 2
     _uses = getattr(torch._C, "_storage_Use_Count", None)
@@ -297,22 +299,33 @@ class KeptBuffers:
             return {}
 
     def keep(self, new: dict) -> None:
+        """Keeps this call's buffers; one handed out (a result) as a new tensor on its memory
+        (`detach`): the tensor handed out carries what autograd gave it (a training forward's
+        results get the step's graph as their grad_fn, which holds the step's saved tensors), and
+        taken again it would be handed out twice as one object."""
         if len(self.sets) < self.LIMIT:
-            self.sets.append(new)
+            self.sets.append({name: new[name] if _references(new, name) == self._HELD else new[name].detach()
+                              for name in new})
 
     @classmethod
     def alone(cls, held: dict, name: str) -> bool:
         """Whether `held[name]` exists and nothing else holds it or its memory."""
         t = held.get(name)
-        return t is not None and cls._uses is not None and _references(held, name) == cls._ALONE \
-            and t._use_count() == 1 and cls._uses(t.untyped_storage()._cdata) == 2
+        if t is None or cls._uses is None or _references(held, name) != cls._ALONE or t._use_count() != 1:
+            return False
+        storage = t.untyped_storage()
+        # no other tensor on its storage, and the storage still of its size (FSDP2 frees the
+        # gradients it has reduced by resizing their storage to 0 bytes)
+        return cls._uses(storage._cdata) == 2 and storage.nbytes() == t.numel() * t.element_size()
 
 
 def _references(held: dict, name: str) -> int:
-    """Python's references to a held tensor, counted from here (`held`, `alone`'s `t`, this
-    frame's `t`, getrefcount's argument): _ALONE where nothing else holds it."""
+    """Python's references to a held tensor, counted from here (`held`, this frame's `t`,
+    getrefcount's argument; from `alone`, its own `t` too): _HELD from `keep` and _ALONE
+    from `alone` where nothing else holds it."""
     t = held[name]
     return sys.getrefcount(t)
 
 
-KeptBuffers._ALONE = _references({"probe": torch.empty(0)}, "probe") + 1  # (+ `alone`'s own `t`)
+KeptBuffers._HELD = _references({"probe": torch.empty(0)}, "probe")  # (only the dict holds it)
+KeptBuffers._ALONE = KeptBuffers._HELD + 1  # (+ `alone`'s own `t`)

@@ -1304,7 +1304,8 @@ def eager_runs(fn, inputs, n: int = 2) -> list:
 
 def check_compiled(fn, inputs, eagers, ref, near: bool, names, **compile_kwargs) -> Outcome:
     """Compile fn for inputs, call it twice, compare with eager (structure,
-    dtypes, shapes, ints and bools) and with the float64 reference (floats).
+    dtypes, shapes, ints and bools) and with the float64 reference (floats);
+    then, the second call's results let go, a third time (the same results).
     `eagers`: eager's result, then its results on perturbed inputs.
     `device="cuda"` among the keyword arguments: the program is compiled and run
     on copies of the inputs on that device, and its results compared on the CPU."""
@@ -1348,6 +1349,17 @@ def check_compiled(fn, inputs, eagers, ref, near: bool, names, **compile_kwargs)
                  if a.is_floating_point() else not torch.equal(a, b)
                  for a, b in zip(pytree.tree_leaves(got), pytree.tree_leaves(again))):
             outcome = Outcome("wrong", "a second call of the compiled program gives different results")
+    if outcome.kind == "ok":  # nothing holds the second call's results now: a third call may write their
+        del again  # buffers again (wrapper.KeptBuffers), and must still give the first call's results
+        try:
+            third = host(compiled(*inputs))
+        except Exception as exc:  # noqa: BLE001
+            return Outcome("crash", f"third call: {_short_exc(exc)}", type(exc).__name__)
+        if any(not torch.allclose(a.double(), b.double(), atol=1e-6, rtol=1e-6, equal_nan=True)
+               if a.is_floating_point() else not torch.equal(a, b)
+               for a, b in zip(pytree.tree_leaves(first), pytree.tree_leaves(third))):
+            outcome = Outcome("wrong", "a third call of the compiled program, after the second's results were "
+                                       "let go, gives different results")
     outcome.notes = notes
     return outcome
 

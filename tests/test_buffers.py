@@ -205,6 +205,17 @@ def test_a_buffer_a_handed_out_view_holds_is_never_written_again(mode):
         torch.testing.assert_close(got, ref)
 
 
+@pytest.mark.parametrize("target", ["cpu", "triton"])
+def test_a_result_whose_storage_was_resized_away_is_never_written_again(target):
+    x, w = torch.randn(64, 48), torch.randn(48, 32)
+    compiled = egc.compile(staged, [x, w], target=target)
+    for _ in range(3):  # as FSDP2 frees the gradients it has reduced: storage resized to 0 bytes
+        result = compiled(x, w)
+        torch.testing.assert_close(result, staged(x, w))
+        result.untyped_storage().resize_(0)
+        del result
+
+
 def test_calls_from_several_threads_each_take_their_own_buffers():
     from concurrent.futures import ThreadPoolExecutor
     w = torch.randn(48, 32)
@@ -252,3 +263,28 @@ def test_saved_activations_are_written_again_only_once_backward_lets_them_go():
             loss.backward()  # (a second backward through the same saved activations)
         for (name, a), b in zip(ours.named_parameters(), eager.parameters()):
             torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-5, msg=f"{name} at step {step}")
+
+
+class Small(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        return F.gelu(self.lin(torch.softmax(x, -1)))
+
+
+def test_a_result_is_a_new_tensor_each_call_with_its_own_hooks():
+    """A buffer taken again is handed out as a new tensor: the one handed out before carries
+    what autograd gave it (its step's grad_fn and hooks).  Handed out as the same object, the
+    later steps' hooks never ran (and FSDP2's unsharded weights were read at 0 bytes)."""
+    torch.manual_seed(0)
+    compiled = torch.compile(Small(), backend="egraph")
+    x = torch.randn(8, 16)
+    calls = []
+    for step in range(3):
+        out = compiled(x)
+        out.register_hook(lambda g, step=step: calls.append(step))
+        out.square().mean().backward()
+        del out
+    assert calls == [0, 1, 2]
