@@ -3,8 +3,10 @@ one line per kernel launch, allocation and release, made once per program from i
 (runtime.Executable), so that no call interprets the plan."""
 from __future__ import annotations
 
+import collections
 import math
 import sys
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -285,9 +287,13 @@ class KeptBuffers:
     storage to 0 bytes).  So a value handed out is never written while anyone can see it: a
     training step's activations are taken again once backward has let them go, a result the
     caller still holds is not.
-    At most LIMIT sets are kept (calls from several threads at once each need their own)."""
-    LIMIT = 2
+    At most LIMIT sets are kept (calls from several threads at once each need their own), and
+    only the HOLDERS programs that kept last hold any: a process with many programs (graph
+    breaks; a generation compiling each length, whose logits alone may be 100s of MB each)
+    holds the memory of a few."""
+    LIMIT, HOLDERS = 2, 8
     _uses = getattr(torch._C, "_storage_Use_Count", None)
+    _holders: collections.OrderedDict = collections.OrderedDict()  # id -> weakref of one, the last to keep last
 
     def __init__(self):
         self.sets: list[dict] = []
@@ -306,6 +312,16 @@ class KeptBuffers:
         if len(self.sets) < self.LIMIT:
             self.sets.append({name: new[name] if _references(new, name) == self._HELD else new[name].detach()
                               for name in new})
+        holders = KeptBuffers._holders
+        holders[id(self)] = weakref.ref(self)  # (a program deleted frees its own sets)
+        holders.move_to_end(id(self))
+        while len(holders) > self.HOLDERS:
+            try:
+                oldest = holders.popitem(last=False)[1]()
+            except KeyError:  # (another thread's call emptied it first)
+                break
+            if oldest is not None:
+                oldest.sets.clear()
 
     @classmethod
     def alone(cls, held: dict, name: str) -> bool:

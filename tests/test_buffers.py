@@ -288,3 +288,16 @@ def test_a_result_is_a_new_tensor_each_call_with_its_own_hooks():
         out.square().mean().backward()
         del out
     assert calls == [0, 1, 2]
+
+
+def test_only_the_programs_that_kept_last_hold_buffers():
+    from egraph_compiler.wrapper import KeptBuffers
+    programs = [egc.compile(staged, [torch.randn(8 + i, 48), torch.randn(48, 32)]) for i in range(KeptBuffers.HOLDERS + 3)]
+    for i, compiled in enumerate(programs):
+        x, w = torch.randn(8 + i, 48), torch.randn(48, 32)
+        torch.testing.assert_close(compiled(x, w), staged(x, w))
+    holding = [bool(c._executable.kept.sets and c._executable.kept.sets[0]) for c in programs]
+    assert holding == [False] * 3 + [True] * KeptBuffers.HOLDERS  # (the first three gave theirs back)
+    x, w = torch.randn(8, 48), torch.randn(48, 32)
+    torch.testing.assert_close(programs[0](x, w), staged(x, w))  # one that gave them back runs as before
+    assert programs[0]._executable.kept.sets[0] and not programs[3]._executable.kept.sets
