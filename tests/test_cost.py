@@ -200,7 +200,9 @@ def test_the_steps_benchmark_times_every_step_of_a_training_steps_programs(capsy
     """benchmarks/steps.py: a real model's forward and backward programs, every step timed alone
     and in sequence beside its estimate, and the whole call (which holds the steps in sequence)."""
     from benchmarks import steps
-    assert steps.main(["--models", "llama_gqa", "--size", "test", "--train", "--reps", "1", "--top", "3"]) == 0
+    # (every step listed: which three are slowest is the machine's to say; with --top 3 a loaded
+    # machine put three others above the backward's sdpa)
+    assert steps.main(["--models", "llama_gqa", "--size", "test", "--train", "--reps", "1", "--top", "100"]) == 0
     out = capsys.readouterr().out
     assert "llama_gqa, program 0" in out and "llama_gqa, program 1" in out and "sdpa_grad_mask" in out, out
     programs = steps.bench_model("llama_gqa", steps.parser().parse_args(["--size", "test", "--train", "--reps", "1"]))
