@@ -130,10 +130,10 @@ def compile(fn, example_inputs, *, target=None, rules=(), disable=(), unsafe=Fal
     cache: the shared compile cache, "redis://HOST:PORT/DB" (default: the
     EGC_REMOTE_CACHE environment variable; False: none): built C++ libraries are
     fetched from it instead of compiled, and stored there after a build (remote.py).
-    keep_buffers: a CPU program keeps the buffers it allocates and releases within a
-    call for its next call (never one a result or a view handed out still holds), so
-    their pages do not fault in again each call; False gives them back every call
-    (wrapper.KeptBuffers).
+    keep_buffers: a CPU program keeps the buffers it allocates (its results too) for
+    its next call, which writes one again only where nothing else holds it by then (no
+    result or view the caller keeps, no activation autograd still saves), so their pages
+    do not fault in again each call; False gives them back every call (wrapper.KeptBuffers).
     """
     example_inputs = _check_examples(example_inputs)
     if extraction not in ("greedy", "ilp"):

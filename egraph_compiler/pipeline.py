@@ -62,7 +62,7 @@ class Options:
     progress: object = None  # progress(iterations, e-nodes, seconds) after each saturation iteration
     keep_egraph: bool = False  # keep the captured graph, e-classes and rules in Levels (for reports)
     cache: object = None  # the shared compile cache: a redis:// URL, False (none), None (EGC_REMOTE_CACHE)
-    keep_buffers: bool = True  # a CPU program keeps its transient buffers between calls (wrapper.KeptBuffers)
+    keep_buffers: bool = True  # a CPU program keeps its buffers for its next call (wrapper.KeptBuffers)
 
 
 @dataclass

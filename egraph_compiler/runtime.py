@@ -34,8 +34,8 @@ class Executable:
         `lend_outputs`: with CUDA graphs, the result positions from which on outputs are
         handed out as the graph's own buffers (graphs.py: a training forward's saved
         activations); `autotune`: a target that tunes its kernels' launches does;
-        `keep_buffers`: a CPU program keeps its transient buffers for its next call
-        (wrapper.KeptBuffers)."""
+        `keep_buffers`: a CPU program keeps its buffers for its next call, which writes
+        those nothing else holds by then (wrapper.KeptBuffers)."""
         self.plan = plan
         self.graph: Graph = plan.graph
         self.target = target

@@ -36,7 +36,7 @@ def straight_line(executable, loops_by_name: dict, nodes: dict, release) -> Wrap
     allocations = allocated(plan, loops_by_name, nodes, target)
     reuse = reused_buffers(plan, allocations, release)
     handed = {old for old, _ in reuse.values()}  # (released by the value that takes its buffer over)
-    kept = executable.kept  # (a CPU program's transient buffers, kept for its next call: KeptBuffers)
+    kept = executable.kept  # (a CPU program's buffers, kept for its next call: KeptBuffers)
     lines = ["def run(env):"] + (["    _kept, _new = _take(), {}"] if kept is not None else [])
     if kept is not None:
         names["_take"], names["_keep"], names["_alone"] = kept.take, kept.keep, kept.alone
@@ -268,6 +268,7 @@ def exec_wrapper(source: str, names: dict):
     scope = dict(names)
     exec(compile(source, "<egraph-compiler wrapper>", "exec"), scope)
     return scope["run"]
+
 
 class KeptBuffers:
     """A CPU program's buffers, kept for its next call, as the CUDA caching allocator keeps a
