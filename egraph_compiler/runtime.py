@@ -65,7 +65,8 @@ class Executable:
                           + [id(n) for n in nodes.values() if id(n) not in ordered])
         computed = frozenset(id(n) for k in plan.kernels for n in k.outputs)
         self.steps = TorchSteps(target.device, dense, computed)  # library calls, fallbacks and views (steps.py)
-        self.kept = KeptBuffers() if keep_buffers and target.device == "cpu" and not cuda_graphs else None
+        self.kept = KeptBuffers() if keep_buffers and target.device == "cpu" and not cuda_graphs and KeptBuffers._uses \
+            else None
         self.wrapper = straight_line(self, {lk.name: lk for lk in loops}, nodes, release)
         self._run = self._runner(self.wrapper.names)
         bound = self.graph.bound

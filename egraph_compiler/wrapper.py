@@ -293,7 +293,7 @@ class KeptBuffers:
     breaks; a generation compiling each length, whose logits alone may be 100s of MB each)
     holds the memory of a few."""
     LIMIT, HOLDERS = 2, 8
-    _uses = getattr(torch._C, "_storage_Use_Count", None)
+    _uses = getattr(torch._C, "_storage_Use_Count", None)  # (a torch without it: no program keeps buffers)
     _holders: collections.OrderedDict = collections.OrderedDict()  # id -> weakref of one, the last to keep last
 
     def __init__(self):
@@ -328,7 +328,7 @@ class KeptBuffers:
     def alone(cls, held: dict, name: str) -> bool:
         """Whether `held[name]` exists and nothing else holds it or its memory."""
         t = held.get(name)
-        if t is None or cls._uses is None or _references(held, name) != cls._ALONE or t._use_count() != 1:
+        if t is None or _references(held, name) != cls._ALONE or t._use_count() != 1:
             return False
         storage = t.untyped_storage()
         # no other tensor on its storage, and the storage still of its size (FSDP2 frees the
